@@ -1,0 +1,43 @@
+"""Start N local ranks of a Python script with torchrun, with a wall-clock limit that kills them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 600, env: dict | None = None,
+           capture: bool = False) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nprocs`` local ranks (gloo on CPU: one thread per rank); raise on failure or timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not _has_cuda():
+        full_env["ACCELERATE_USE_CPU"] = "true"  # Accelerator() on a CPU-only machine then uses gloo ranks
+    full_env.update(env or {})
+    kwargs = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}
+    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, **kwargs)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{nprocs} ranks of {script} did not finish within {timeout:.0f}s\n{out or ''}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{nprocs} ranks of {script} failed with exit code {proc.returncode}\n{out or ''}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

@@ -1,0 +1,104 @@
+"""Global-token-mean loss across data-parallel (and context-parallel) ranks.
+
+Each rank's model computes ``sum(local token losses) / N_global`` by passing transformers the global count
+as ``num_items_in_batch`` (the hook HF built for gradient accumulation); the reported value is the sum of
+those shares over the ranks, the same number everywhere, while each rank backpropagates only its own share.
+Data-parallel gradients are then *summed* (fsdp.py), which gives exactly the gradient of the global mean —
+also when padding leaves ranks with different numbers of label tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+IGNORE_INDEX = -100
+
+
+def count_label_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Tokens that contribute to a causal-LM loss: HF shifts labels left by one, so the first is never used."""
+    return (labels[..., 1:] != ignore_index).sum()
+
+
+class _GlobalValueLocalGrad(torch.autograd.Function):
+    """Forward: the sum of ``share`` over ``group``. Backward: the gradient flows to the local share only."""
+
+    @staticmethod
+    def forward(ctx, share: torch.Tensor, group) -> torch.Tensor:
+        total = share.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def global_value_local_grad(share: torch.Tensor, group) -> torch.Tensor:
+    return _GlobalValueLocalGrad.apply(share, group)
+
+
+def _accepts_num_items(forward) -> bool:
+    params = inspect.signature(forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)
+
+
+class GlobalTokenLoss:
+    """Forward hooks that turn a HF causal LM's per-rank mean loss into the global-token mean.
+
+    ``group`` spans every rank whose tokens belong to different parts of the global batch (dp x cp); ranks
+    that differ only in tp see the same tokens and are not summed.
+    """
+
+    def __init__(self, model: nn.Module, group, ignore_index: int = IGNORE_INDEX):
+        self.group = group
+        self.ignore_index = ignore_index
+        self.signature = inspect.signature(model.forward)
+        self.native = _accepts_num_items(model.forward)
+        self._local = None
+        self._total = None
+        self.handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, with_kwargs=True),
+        ]
+
+    def _labels(self, args, kwargs):
+        if "labels" in kwargs:
+            return kwargs["labels"]
+        bound = self.signature.bind_partial(*args, **kwargs).arguments
+        return bound.get("labels")
+
+    def _pre(self, module, args, kwargs):
+        labels = self._labels(args, kwargs)
+        if labels is None:
+            self._total = None
+            return None
+        given = kwargs.get("num_items_in_batch")
+        local = given if given is not None else count_label_tokens(labels, self.ignore_index)
+        local = torch.as_tensor(local, device=labels.device, dtype=torch.int64).reshape(())
+        total = local.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        # A global batch with no label token gives loss 0 rather than 0/0.
+        self._local, self._total = local, total.clamp(min=1)
+        if self.native:
+            kwargs = dict(kwargs, num_items_in_batch=self._total)
+            return args, kwargs
+        return None
+
+    def _post(self, module, args, kwargs, output):
+        if self._total is None or getattr(output, "loss", None) is None:
+            return None
+        share = output.loss
+        if not self.native:
+            # The model averaged over its own tokens: rescale that mean into this rank's share.
+            share = share * (self._local.to(share.dtype) / self._total.to(share.dtype))
+        output.loss = global_value_local_grad(share, self.group)
+        self._total = None
+        return output
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()

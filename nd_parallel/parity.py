@@ -1,0 +1,98 @@
+"""One training recipe run two ways: a single process on the global batch, and under a layout.
+
+The parity tests, the demo and the benchmarks share it, so "equals single-process training" means the
+same thing everywhere: same checkpoint, same global batches, AdamW, a linearly decaying LR, clipping at 1.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils.data import DataLoader
+
+
+@dataclass
+class Recipe:
+    steps: int = 5
+    lr: float = 1e-3
+    max_norm: float = 1.0
+    per_rank_batch: int = 2
+
+
+@dataclass
+class RunResult:
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _optimizer_and_schedule(model, recipe: Recipe):
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))
+    return opt, sched
+
+
+def _collate(samples):
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def train_reference(model_dir, samples, dp_size: int, recipe: Recipe) -> RunResult:
+    """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    opt, sched = _optimizer_and_schedule(model, recipe)
+    loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
+    result = RunResult()
+    for step, batch in enumerate(loader):
+        if step == recipe.steps:
+            break
+        loss = model(**batch).loss
+        loss.backward()
+        result.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm).item())
+        result.losses.append(loss.item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
+
+
+def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None) -> RunResult:
+    """The unchanged Accelerate loop of ARCHITECTURE.md, under whatever layout ``plugin`` holds."""
+    model = plugin.from_pretrained(model_dir, attn_implementation="sdpa")
+    opt, sched = _optimizer_and_schedule(model, recipe)
+    loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    result = RunResult()
+    for step, batch in enumerate(loader):
+        if step == recipe.steps:
+            break
+        out = model(**batch)
+        accelerator.backward(out.loss)
+        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        result.losses.append(out.loss.item())
+        result.norms.append(float(norm))
+        if progress is not None:
+            progress(step, out.loss.item())
+    result.state = accelerator.get_state_dict(model)
+    return result
+
+
+def compare(ref: RunResult, run: RunResult) -> dict[str, float]:
+    """Max relative loss / grad-norm difference per step, max absolute parameter difference at the end."""
+    if len(ref.losses) != len(run.losses):
+        raise AssertionError(f"ran {len(run.losses)} steps, reference ran {len(ref.losses)}")
+    rel = lambda a, b: abs(a - b) / max(abs(b), 1e-12)  # noqa: E731
+    missing = set(ref.state) ^ set(run.state)
+    if missing:
+        raise AssertionError(f"state dict keys differ from the reference: {sorted(missing)}")
+    return {
+        "loss_rel": max(rel(a, b) for a, b in zip(run.losses, ref.losses)),
+        "norm_rel": max(rel(a, b) for a, b in zip(run.norms, ref.norms)),
+        "param_abs": max((run.state[k].float() - ref.state[k].float()).abs().max().item() for k in ref.state),
+    }

@@ -1,0 +1,224 @@
+"""NDParallelPlugin: attach nd_parallel to an ``accelerate.Accelerator``.
+
+``attach`` replaces a handful of the accelerator's methods on that one instance (prepare*, clip_grad_norm_,
+get_state_dict) so that an unchanged Accelerate loop trains under any layout. The plugin only orchestrates:
+the work is done by parallelize.py (model), data.py (dataloader), loss.py and grad_norm.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
+
+from .config import ParallelismConfig
+from .data import check_batch_size, shard_dataloader
+from .grad_norm import clip_grad_norm_
+from .loss import GlobalTokenLoss
+from .mesh import ParallelMesh, build_mesh
+from .parallelize import check_not_parallelized, parallelize
+from .tensor_parallel import check_divisibility, resolve_plan
+
+logger = logging.getLogger("nd_parallel")
+
+_SUPPORTED_TYPES = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.FSDP}
+
+
+def _setup_logging(is_main: bool) -> None:
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[nd_parallel] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if is_main else logging.WARNING)
+    logger.propagate = False
+
+
+def _check_accelerator_saw_all_ranks(accelerator) -> None:
+    """A CPU-only Accelerator() ignores torchrun's ranks unless told to use the CPU: say so instead of hanging."""
+    import os
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # launcher boundary: torchrun / accelerate launch
+    if accelerator.num_processes == 1 and launched > 1:
+        raise RuntimeError(
+            f"the launcher started WORLD_SIZE={launched} ranks but the Accelerator sees 1 process: on a machine "
+            "without GPUs create it with Accelerator(cpu=True), launch with `accelerate launch --cpu`, or set "
+            "ACCELERATE_USE_CPU=true"
+        )
+
+
+class NDParallelPlugin:
+    """Applies a :class:`ParallelismConfig` to the objects an Accelerator prepares."""
+
+    def __init__(self, config: ParallelismConfig | None = None, **sizes):
+        if config is not None and sizes:
+            raise ValueError("pass either a ParallelismConfig or keyword sizes, not both")
+        self.config = config if config is not None else ParallelismConfig(**sizes)
+        self.accelerator = None
+        self._mesh: ParallelMesh | None = None
+        self._param_map: dict[int, nn.Parameter] = {}
+        self._models: list[nn.Module] = []
+
+    # ------------------------------------------------------------------ attach
+    def attach(self, accelerator) -> "NDParallelPlugin":
+        """Validate the layout against the accelerator (no collective yet) and take over its prepare path."""
+        if accelerator.distributed_type not in _SUPPORTED_TYPES:
+            raise NotImplementedError(
+                f"Accelerator distributed_type={accelerator.distributed_type} is not supported by nd_parallel; "
+                "launch with plain multi-process (accelerate launch --multi_gpu / --cpu, or torchrun)"
+            )
+        if accelerator.mixed_precision not in ("no", None):
+            raise NotImplementedError(
+                f"mixed_precision='{accelerator.mixed_precision}' is not supported yet; run in fp32 or load the "
+                "model with torch_dtype=torch.bfloat16"
+            )
+        _check_accelerator_saw_all_ranks(accelerator)
+        self.config = self.config.resolve(accelerator.num_processes)
+        c = self.config
+        if c.pp_size > 1 or c.cp_size > 1:
+            raise NotImplementedError(
+                f"pp_size={c.pp_size}, cp_size={c.cp_size}: pipeline and context parallelism are not available "
+                "in this version; use pp_size=1 and cp_size=1"
+            )
+        self.accelerator = accelerator
+        _setup_logging(accelerator.is_main_process)
+        self._originals = {name: getattr(accelerator, name) for name in ("prepare", "clip_grad_norm_", "get_state_dict")}
+        accelerator.prepare = self.prepare
+        accelerator.prepare_model = self.prepare_model
+        accelerator.prepare_optimizer = self.prepare_optimizer
+        accelerator.prepare_data_loader = self.prepare_data_loader
+        accelerator.prepare_scheduler = self.prepare_scheduler
+        accelerator.clip_grad_norm_ = self.clip_grad_norm_
+        accelerator.get_state_dict = self.get_state_dict
+        accelerator.nd_parallel = self
+        logger.info("attached: %s", c.describe())
+        return self
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        """Built on first use, after every input was validated, because building it is a collective."""
+        if self._mesh is None:
+            self._require_attached()
+            self._mesh = build_mesh(self.config, self.accelerator.device.type)
+        return self._mesh
+
+    def _require_attached(self) -> None:
+        if self.accelerator is None:
+            raise RuntimeError("call plugin.attach(accelerator) first")
+
+    # ----------------------------------------------------------------- prepare
+    def prepare(self, *objects, device_placement=None):
+        """Accelerator.prepare: models first (optimizers are re-pointed to their new parameters), then the rest."""
+        self._require_attached()
+        for obj in objects:  # every check before the first collective
+            if isinstance(obj, nn.Module):
+                self.validate_model(obj)
+            elif isinstance(obj, DataLoader):
+                check_batch_size(obj, self.config, self.accelerator.split_batches)
+        prepared = {id(o): self.prepare_model(o) for o in objects if isinstance(o, nn.Module)}
+        for obj in objects:
+            if id(obj) in prepared:
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                prepared[id(obj)] = self.prepare_optimizer(obj)
+            elif isinstance(obj, DataLoader):
+                prepared[id(obj)] = self.prepare_data_loader(obj)
+        for obj in objects:  # schedulers last: they look up their prepared optimizer
+            if id(obj) not in prepared:
+                is_sched = isinstance(obj, torch.optim.lr_scheduler.LRScheduler)
+                prepared[id(obj)] = self.prepare_scheduler(obj) if is_sched else self._originals["prepare"](obj)
+        result = tuple(prepared[id(o)] for o in objects)
+        return result[0] if len(result) == 1 else result
+
+    def validate_model(self, model: nn.Module) -> None:
+        """Model checks that need no process group: already sharded, heads vs tp, a usable tp_plan."""
+        check_not_parallelized(model)
+        if self.config.tp_size > 1:
+            check_divisibility(model, self.config.tp_size)
+            if not resolve_plan(model, self.config.tp_plan):
+                raise ValueError(
+                    f"{type(model).__name__} has no tp_plan, so tp_size={self.config.tp_size} cannot shard it; "
+                    "pass ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1"
+                )
+
+    def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode=False) -> nn.Module:
+        self.validate_model(model)
+        if self.accelerator.num_processes == 1:  # nothing to split; keep the plain single-process path
+            model.to(self.accelerator.device)
+            self.accelerator._models.append(model)
+            return model
+        before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+        model.to(self.accelerator.device)
+        moved = dict(model.named_parameters(remove_duplicate=False))
+        parallelize(model, self.mesh)
+        after = dict(model.named_parameters(remove_duplicate=False))
+        for name, old in before.items():
+            self._param_map[id(old)] = after[name]
+            self._param_map[id(moved[name])] = after[name]
+        model._nd_parallel_loss = GlobalTokenLoss(model, self.mesh["dp_cp"].get_group())
+        self._models.append(model)
+        self.accelerator._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        if isinstance(optimizer, AcceleratedOptimizer):
+            return optimizer
+        if optimizer.state:
+            raise ValueError(
+                "the optimizer already has state (it has stepped); build it on the unsharded model and pass it to "
+                "prepare() before the first step, so it can be re-pointed to the sharded parameters"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._param_map.get(id(p), p) for p in group["params"]]
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+        self.accelerator._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        check_batch_size(data_loader, self.config, self.accelerator.split_batches)
+        prepared = shard_dataloader(data_loader, self.config, self.accelerator.process_index, self.accelerator)
+        self.accelerator._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler):
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        optimizers = self.accelerator._optimizers
+        owner = [o for o in optimizers if getattr(scheduler, "optimizer", None) is o.optimizer] or optimizers
+        # split_batches=True makes Accelerate step the schedule once per optimizer step. Its default steps it
+        # num_processes times, which would count tp/pp peers as if they were extra data-parallel batches.
+        wrapped = AcceleratedScheduler(
+            scheduler, owner, step_with_optimizer=self.accelerator.step_scheduler_with_optimizer, split_batches=True
+        )
+        self.accelerator._schedulers.append(wrapped)
+        return wrapped
+
+    # ------------------------------------------------------------ training ops
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """The true global gradient norm over every dimension, identical on every rank."""
+        return clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if not dist.is_initialized() or self.accelerator.num_processes == 1:
+            return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)
+        return state if self.accelerator.is_main_process else {}
+
+    # ----------------------------------------------------------------- loading
+    def from_pretrained(self, path, **hf_kwargs) -> nn.Module:
+        """Load a causal LM from a local directory (a plain ``from_pretrained`` in this version)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)

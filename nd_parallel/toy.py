@@ -1,0 +1,91 @@
+"""Tiny HF causal LMs and a small byte-level text data set, built locally (no hub).
+
+Used by the demo, the benchmarks and the parity tests: a model is built from a config, saved to a
+directory and loaded back with ``from_pretrained``, the way a user's checkpoint would be.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+IGNORE_INDEX = -100
+PAD_ID = 0
+VOCAB = 256  # byte-level: token id = byte value; 0 doubles as padding
+
+# Small enough for 8 gloo ranks on 2 cores; 4 heads and 2 kv heads so tp=2 splits both.
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    attention_dropout=0.0,
+)
+
+FAMILIES = {
+    "llama": dict(tie_word_embeddings=True),
+    "qwen3": dict(tie_word_embeddings=False),
+    "mistral": dict(tie_word_embeddings=False, sliding_window=None),
+    "gemma": dict(tie_word_embeddings=True, pad_token_id=PAD_ID),
+}
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import AutoConfig
+
+    kwargs = {**TINY, **FAMILIES.get(family, {}), **overrides}
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
+    """Build a randomly initialised tiny model of ``family`` and save it as a HF checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    return directory
+
+
+_WORDS = (
+    "pipeline tensor context shard replicate gradient stage layer token batch rank mesh ring attention "
+    "optimizer loss parameter sequence vocabulary embedding norm head device schedule bubble"
+).split()
+
+
+def make_text(n_lines: int, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-sentences; enough structure for a tiny model's loss to fall."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12))) + "." for _ in range(n_lines)]
+
+
+def encode(text: str) -> list[int]:
+    return [b or 1 for b in text.encode("utf-8")]  # keep 0 free for padding
+
+
+def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None) -> list[dict]:
+    """``n`` right-padded samples of ``seq_len`` tokens with varying real lengths (labels -100 on padding)."""
+    rng = random.Random(seed)
+    min_len = min_len or max(2, seq_len // 3)
+    stream = [t for line in make_text(4 * n, seed) for t in encode(line + " ")]
+    samples, pos = [], 0
+    for i in range(n):
+        length = seq_len if i % 4 == 0 else rng.randint(min_len, seq_len)
+        ids = stream[pos : pos + length]
+        pos += length
+        pad = seq_len - len(ids)
+        samples.append(
+            {
+                "input_ids": torch.tensor(ids + [PAD_ID] * pad),
+                "labels": torch.tensor(ids + [IGNORE_INDEX] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+            }
+        )
+    return samples

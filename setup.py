@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="nd_parallel",
+    version="0.1.0",
+    description="HSDP, tensor, context and pipeline parallelism for any Hugging Face causal LM, from Accelerate",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nd_parallel", "nd_parallel.*", "plugins", "plugins.*"]),
+    install_requires=[
+        "torch>=2.9,<2.15",
+        "transformers>=5.16,<5.25",
+        "accelerate>=1.13,<1.16",
+        "safetensors>=0.4",
+        "pyyaml>=6.0",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "bench": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["nd-parallel=nd_parallel.cli:main"]},
+)
