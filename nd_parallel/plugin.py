@@ -23,7 +23,7 @@ from .grad_norm import clip_grad_norm_
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh, build_mesh
 from .parallelize import check_not_parallelized, parallelize
-from .tensor_parallel import check_divisibility, resolve_plan
+from .tensor_parallel import check_divisibility, check_styles, resolve_plan
 
 logger = logging.getLogger("nd_parallel")
 
@@ -50,6 +50,14 @@ def _check_accelerator_saw_all_ranks(accelerator) -> None:
             f"the launcher started WORLD_SIZE={launched} ranks but the Accelerator sees 1 process: on a machine "
             "without GPUs create it with Accelerator(cpu=True), launch with `accelerate launch --cpu`, or set "
             "ACCELERATE_USE_CPU=true"
+        )
+
+
+def _check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer already has state (it has stepped); build it on the unsharded model and pass it to "
+            "prepare() before the first step, so it can be re-pointed to the sharded parameters"
         )
 
 
@@ -81,6 +89,7 @@ class NDParallelPlugin:
         _check_accelerator_saw_all_ranks(accelerator)
         self.config = self.config.resolve(accelerator.num_processes)
         c = self.config
+        check_styles(c.tp_plan or {})  # a typo in an override is an error even while tp_size=1
         if c.pp_size > 1 or c.cp_size > 1:
             raise NotImplementedError(
                 f"pp_size={c.pp_size}, cp_size={c.cp_size}: pipeline and context parallelism are not available "
@@ -121,6 +130,8 @@ class NDParallelPlugin:
                 self.validate_model(obj)
             elif isinstance(obj, DataLoader):
                 check_batch_size(obj, self.config, self.accelerator.split_batches)
+            elif isinstance(obj, torch.optim.Optimizer):
+                _check_fresh_optimizer(obj)
         prepared = {id(o): self.prepare_model(o) for o in objects if isinstance(o, nn.Module)}
         for obj in objects:
             if id(obj) in prepared:
@@ -169,11 +180,7 @@ class NDParallelPlugin:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if isinstance(optimizer, AcceleratedOptimizer):
             return optimizer
-        if optimizer.state:
-            raise ValueError(
-                "the optimizer already has state (it has stepped); build it on the unsharded model and pass it to "
-                "prepare() before the first step, so it can be re-pointed to the sharded parameters"
-            )
+        _check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
             group["params"] = [self._param_map.get(id(p), p) for p in group["params"]]
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)

@@ -68,6 +68,20 @@ def model_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def check_styles(plan: dict[str, str | None]) -> None:
+    """Every style named in a plan must be one we can apply (None = keep the module replicated)."""
+    for key, style in plan.items():
+        if style is None:
+            continue
+        if style not in STYLES:
+            close = difflib.get_close_matches(style, STYLES, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise NotImplementedError(
+                f"tp_plan entry '{key}': '{style}' is not a supported style; {hint}supported: {sorted(STYLES)}. "
+                f"To keep that module replicated instead, pass tp_plan={{'{key}': None}}"
+            )
+
+
 def resolve_plan(model: nn.Module, overrides: dict[str, str | None] | None) -> dict[str, str]:
     """Merge overrides into the model's plan (None removes an entry) and validate the style names."""
     plan = model_tp_plan(model)
@@ -76,14 +90,7 @@ def resolve_plan(model: nn.Module, overrides: dict[str, str | None] | None) -> d
             plan.pop(key, None)
         else:
             plan[key] = style
-    for key, style in plan.items():
-        if style not in STYLES:
-            close = difflib.get_close_matches(style, STYLES, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise NotImplementedError(
-                f"tp_plan entry '{key}': '{style}' is not a supported style; {hint}supported: {sorted(STYLES)}. "
-                f"To keep that module replicated instead, pass tp_plan={{'{key}': None}}"
-            )
+    check_styles(plan)
     return plan
 
 
