@@ -25,6 +25,13 @@ def check_batch_size(dataloader: DataLoader, config: ParallelismConfig, split_ba
     if batch_size is None and getattr(dataloader, "batch_sampler", None) is not None:
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
     dp = config.dp_replicate_size * config.dp_shard_size
+    per_rank = batch_size // dp if (split_batches and batch_size is not None) else batch_size
+    if config.pp_size > 1 and per_rank is not None and per_rank % config.microbatches:
+        raise ValueError(
+            f"the batch of {per_rank} samples per data-parallel rank cannot be split into "
+            f"pp_microbatches={config.microbatches}; use a per-rank batch size that is a multiple of "
+            f"{config.microbatches} (or fewer micro-batches)"
+        )
     if split_batches and batch_size is not None and batch_size % dp:
         raise ValueError(
             f"batch_size={batch_size} cannot be split over {dp} data-parallel ranks "

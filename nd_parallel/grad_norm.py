@@ -26,13 +26,14 @@ def _local_and_groups(grad: torch.Tensor):
     return grad.to_local(), groups
 
 
-def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra_group=None) -> torch.Tensor:
+def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra_group=None,
+               exclude: set[int] = frozenset()) -> torch.Tensor:
     """Global p-norm of the gradients of ``parameters``; ``extra_group`` adds ranks holding other params (pp)."""
     norm_type = float(norm_type)
     buckets: dict[tuple, list] = {}
     device = None
     for p in parameters:
-        if p.grad is None:
+        if p.grad is None or id(p) in exclude:
             continue
         local, groups = _local_and_groups(p.grad)
         device = local.device
@@ -55,11 +56,16 @@ def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_group=None
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_group=None,
+    exclude_from_norm: set[int] = frozenset(),
 ) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm`` (torch's formula); return the norm."""
+    """Scale gradients in place so their global norm is at most ``max_norm`` (torch's formula); return the norm.
+
+    ``exclude_from_norm``: ids of parameters that duplicate another one's gradient (a tied weight's second
+    copy); they are scaled but not counted.
+    """
     parameters = [p for p in parameters if p.grad is not None]
-    norm = total_norm(parameters, norm_type, extra_group)
+    norm = total_norm(parameters, norm_type, extra_group, exclude_from_norm)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in parameters:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

@@ -23,6 +23,7 @@ from .grad_norm import clip_grad_norm_
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh, build_mesh
 from .parallelize import check_not_parallelized, parallelize
+from .pipeline import build_pipeline
 from .tensor_parallel import check_divisibility, check_styles, resolve_plan
 
 logger = logging.getLogger("nd_parallel")
@@ -70,7 +71,7 @@ class NDParallelPlugin:
         self.config = config if config is not None else ParallelismConfig(**sizes)
         self.accelerator = None
         self._mesh: ParallelMesh | None = None
-        self._param_map: dict[int, nn.Parameter] = {}
+        self._param_map: dict[int, list[nn.Parameter]] = {}
         self._models: list[nn.Module] = []
 
     # ------------------------------------------------------------------ attach
@@ -90,19 +91,25 @@ class NDParallelPlugin:
         self.config = self.config.resolve(accelerator.num_processes)
         c = self.config
         check_styles(c.tp_plan or {})  # a typo in an override is an error even while tp_size=1
-        if c.pp_size > 1 or c.cp_size > 1:
+        if c.cp_size > 1:
             raise NotImplementedError(
-                f"pp_size={c.pp_size}, cp_size={c.cp_size}: pipeline and context parallelism are not available "
-                "in this version; use pp_size=1 and cp_size=1"
+                f"cp_size={c.cp_size}: context parallelism is not available in this version; use cp_size=1"
+            )
+        if c.pp_size > 1 and c.pp_backend != "torch":
+            raise NotImplementedError(
+                f"pp_backend='{c.pp_backend}' is not available in this version; use pp_backend='torch'"
             )
         self.accelerator = accelerator
         _setup_logging(accelerator.is_main_process)
-        self._originals = {name: getattr(accelerator, name) for name in ("prepare", "clip_grad_norm_", "get_state_dict")}
+        self._originals = {
+            name: getattr(accelerator, name) for name in ("prepare", "backward", "clip_grad_norm_", "get_state_dict")
+        }
         accelerator.prepare = self.prepare
         accelerator.prepare_model = self.prepare_model
         accelerator.prepare_optimizer = self.prepare_optimizer
         accelerator.prepare_data_loader = self.prepare_data_loader
         accelerator.prepare_scheduler = self.prepare_scheduler
+        accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
         accelerator.get_state_dict = self.get_state_dict
         accelerator.nd_parallel = self
@@ -164,15 +171,23 @@ class NDParallelPlugin:
             model.to(self.accelerator.device)
             self.accelerator._models.append(model)
             return model
-        before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+        before = dict(model.named_parameters(remove_duplicate=False))
         model.to(self.accelerator.device)
         moved = dict(model.named_parameters(remove_duplicate=False))
-        parallelize(model, self.mesh)
+        if self.config.pp_size > 1:
+            model = build_pipeline(model, self.mesh, self.config, self.accelerator.device)
+        else:
+            parallelize(model, self.mesh)
+            model._nd_parallel_loss = GlobalTokenLoss(model, self.mesh["dp_cp"].get_group())
+        # Old parameter -> the parameter(s) now standing for it on this rank (none: another stage owns it;
+        # two: a tied weight whose copies both live here).
         after = dict(model.named_parameters(remove_duplicate=False))
         for name, old in before.items():
-            self._param_map[id(old)] = after[name]
-            self._param_map[id(moved[name])] = after[name]
-        model._nd_parallel_loss = GlobalTokenLoss(model, self.mesh["dp_cp"].get_group())
+            if name in after:
+                for key in (id(old), id(moved[name])):
+                    targets = self._param_map.setdefault(key, [])
+                    if all(t is not after[name] for t in targets):
+                        targets.append(after[name])
         self._models.append(model)
         self.accelerator._models.append(model)
         return model
@@ -182,7 +197,10 @@ class NDParallelPlugin:
             return optimizer
         _check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
-            group["params"] = [self._param_map.get(id(p), p) for p in group["params"]]
+            params = []
+            for p in group["params"]:
+                params.extend(self._param_map.get(id(p), [p]) if self._param_map else [p])
+            group["params"] = params
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
         self.accelerator._optimizers.append(wrapped)
         return wrapped
@@ -209,9 +227,21 @@ class NDParallelPlugin:
         return wrapped
 
     # ------------------------------------------------------------ training ops
+    def backward(self, loss, **kwargs):
+        """Accelerate's backward, except where the pipeline schedule already ran it inside forward."""
+        if getattr(loss, "_nd_parallel_backward_done", False):
+            return None
+        return self._originals["backward"](loss, **kwargs)
+
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The true global gradient norm over every dimension, identical on every rank."""
-        return clip_grad_norm_(list(parameters), max_norm, norm_type)
+        parameters = list(parameters)
+        if self.config.pp_size == 1 or self._mesh is None:
+            return clip_grad_norm_(parameters, max_norm, norm_type)
+        # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
+        skip = {id(m.tied.duplicate) for m in self._models if getattr(m, "tied", None) and m.tied.duplicate is not None}
+        return clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
+                               exclude_from_norm=skip)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""
@@ -219,9 +249,31 @@ class NDParallelPlugin:
 
         if not dist.is_initialized() or self.accelerator.num_processes == 1:
             return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(model, options=options)
-        return state if self.accelerator.is_main_process else {}
+        if self.config.pp_size == 1:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(model, options=options)
+            return state if self.accelerator.is_main_process else {}
+        return self._pipeline_state_dict(model)
+
+    def _pipeline_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """Each stage gathers its full tensors, then the pp ranks send theirs to the main process."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        state = {}
+        for stage in model.stages:
+            state.update({k: v.detach().cpu() for k, v in get_model_state_dict(stage, options=options).items()})
+        mesh = self.mesh
+        inner_first = all(mesh.local_rank(d) == 0 for d in ("dp_replicate", "dp_shard", "cp", "tp"))
+        pieces = [None] * mesh.size("pp") if self.accelerator.is_main_process else None
+        if inner_first:  # one rank per stage sends; pp group of the first dp/cp/tp coordinate
+            dist.gather_object(state, pieces, group=mesh["pp"].get_group(), group_dst=0)
+        if not self.accelerator.is_main_process:
+            return {}
+        merged = {}
+        for piece in pieces:
+            merged.update(piece)
+        return merged
 
     # ----------------------------------------------------------------- loading
     def from_pretrained(self, path, **hf_kwargs) -> nn.Module:

@@ -102,7 +102,9 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Concrete module name -> style for every module a plan pattern matches (first match wins)."""
     compiled = [(_pattern_to_regex(k), v) for k, v in plan.items()]
     matched = {}
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
+        if next(module.parameters(), None) is None:  # pipeline stand-ins for modules another stage owns
+            continue
         for regex, style in compiled:
             if regex.match(name):
                 matched[name] = style
@@ -124,31 +126,33 @@ def check_divisibility(model: nn.Module, tp_size: int) -> None:
             )
 
 
-def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
+def _slot_name(model: nn.Module, getter: str) -> str | None:
+    """Name of the input-embedding / output-head slot (a pipeline stage may hold a stand-in there)."""
+    module = getattr(model, getter)() if hasattr(model, getter) else None
     if module is None:
         return None
     return next((n for n, m in model.named_modules() if m is module), None)
 
 
-def _vocab_entries(model: nn.Module, matched: dict[str, str], tp_size: int) -> dict[str, str]:
-    """Keep vocab-sharded embedding / lm_head only where that is exact and consistent."""
-    emb = _module_name(model, model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None)
-    head = _module_name(model, model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
-    names = [n for n in (emb, head) if n in matched]
-    if not names:
+def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
+    """Keep the vocab-sharded embedding / lm_head only where that is exact and consistent."""
+    emb, head = _slot_name(model, "get_input_embeddings"), _slot_name(model, "get_output_embeddings")
+    here = [n for n in (emb, head) if n in matched]
+    if not here:
         return matched
-    tied = emb is not None and head is not None and getattr(model.get_output_embeddings(), "weight", None) is getattr(
-        model.get_input_embeddings(), "weight", None
-    )
-    vocab = model.get_input_embeddings().weight.shape[0]
+    cfg = _text_config(model)
+    # Tied-ness from the config, not object identity: a pipeline stage may hold only one of the pair.
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    patterns = [_pattern_to_regex(k) for k in plan]
+    in_plan = lambda name: name is not None and any(r.match(name) for r in patterns)  # noqa: E731
     reason = None
-    if vocab % tp_size:
-        reason = f"vocab size {vocab} is not divisible by tp_size={tp_size}"
-    elif tied and len(names) == 1:
+    if cfg.vocab_size % tp_size:
+        reason = f"vocab size {cfg.vocab_size} is not divisible by tp_size={tp_size}"
+    elif tied and not (in_plan(emb) and in_plan(head)):
         reason = "the embedding and lm_head share one weight but the plan shards only one of them"
     if reason:
-        logger.info("keeping %s replicated: %s", " and ".join(names), reason)
-        return {k: v for k, v in matched.items() if k not in names}
+        logger.info("keeping %s replicated: %s", " and ".join(here), reason)
+        return {k: v for k, v in matched.items() if k not in here}
     return matched
 
 
@@ -168,9 +172,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
         raise ValueError(
             f"no module of {type(model).__name__} matches its tp_plan {sorted(plan)}; check the override names"
         )
-    matched = _vocab_entries(model, matched, tp_size)
+    matched = _vocab_entries(model, plan, matched, tp_size)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and head.weight is emb.weight
+    tied = head is not None and emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", 1)
     parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in matched.items()})
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are

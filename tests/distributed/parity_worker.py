@@ -1,7 +1,8 @@
 """Rank program for the parity matrix: train every (family, layout) given, write rank 0's results.
 
 Usage (under torchrun): parity_worker.py OUT_DIR SPEC_JSON
-SPEC_JSON: {"models": {family: dir}, "layouts": {name: {config kwargs}}, "recipe": {...}, "samples": {...}}
+SPEC_JSON: {"models": {key: dir}, "runs": [[model key, layout name, {config kwargs}, result name], ...],
+            "recipe": {...}, "samples": {...}}
 """
 
 import json
@@ -20,21 +21,20 @@ def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     recipe = Recipe(**spec["recipe"])
     samples = make_samples(**spec["samples"])
-    for family, model_dir in spec["models"].items():
-        for name, layout in spec["layouts"].items():
-            accelerator = Accelerator()
-            plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
-            result = train_layout(accelerator, plugin, model_dir, samples, recipe)
-            # The loss must be the same number on every rank, not only on rank 0.
-            every_rank = [None] * dist.get_world_size()
-            dist.all_gather_object(every_rank, result.losses)
-            if dist.get_rank() == 0:
-                spread = max(abs(a - b) for losses in every_rank for a, b in zip(losses, result.losses))
-                torch.save(
-                    {"losses": result.losses, "norms": result.norms, "state": result.state, "rank_spread": spread},
-                    f"{out_dir}/{family}__{name}.pt",
-                )
-            dist.barrier()
+    for model_key, _, layout, result_name in spec["runs"]:
+        accelerator = Accelerator()
+        plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
+        result = train_layout(accelerator, plugin, spec["models"][model_key], samples, recipe)
+        # The loss must be the same number on every rank, not only on rank 0.
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, result.losses)
+        if dist.get_rank() == 0:
+            spread = max(abs(a - b) for losses in every_rank for a, b in zip(losses, result.losses))
+            torch.save(
+                {"losses": result.losses, "norms": result.norms, "state": result.state, "rank_spread": spread},
+                f"{out_dir}/{result_name}.pt",
+            )
+        dist.barrier()
 
 
 if __name__ == "__main__":

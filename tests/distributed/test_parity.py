@@ -16,85 +16,125 @@ from nd_parallel.parity import Recipe, RunResult, compare, train_reference
 from nd_parallel.toy import make_samples
 
 WORKER = "tests/distributed/parity_worker.py"
-RECIPE = dict(steps=5, per_rank_batch=2, lr=1e-3)
 SAMPLES = dict(n=48, seq_len=24)
 LOSS_RTOL = NORM_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
-# world size -> layout name -> ParallelismConfig kwargs
-LAYOUTS = {
-    2: {
-        "ddp2": dict(dp_replicate_size=2),
-        "fsdp2": dict(dp_shard_size=2),
-        "tp2": dict(tp_size=2),
-    },
-    4: {
-        "hsdp2x2": dict(dp_replicate_size=2, dp_shard_size=2),
-        "fsdp2_tp2": dict(dp_shard_size=-1, tp_size=2),
-        "ddp2_tp2": dict(dp_replicate_size=2, tp_size=2),
-    },
-    8: {
-        "hsdp2x2_tp2": dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2),
-    },
+
+def L(n_layers=2, **config):
+    """A layout: ParallelismConfig kwargs, and the depth of the tiny model it trains."""
+    return {"config": config, "layers": n_layers}
+
+
+# launch name -> (world size, samples per dp rank per step, {layout name: layout})
+LAUNCHES = {
+    "2r": (2, 2, {
+        "ddp2": L(dp_replicate_size=2),
+        "fsdp2": L(dp_shard_size=2),
+        "tp2": L(tp_size=2),
+    }),
+    "4r": (4, 2, {
+        "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2),
+        "fsdp2_tp2": L(dp_shard_size=-1, tp_size=2),
+        "ddp2_tp2": L(dp_replicate_size=2, tp_size=2),
+    }),
+    "8r": (8, 2, {
+        "hsdp2x2_tp2": L(dp_replicate_size=2, dp_shard_size=2, tp_size=2),
+    }),
+    "pp2r": (2, 4, {
+        "pp2_gpipe": L(4, pp_size=2, pp_schedule="gpipe"),
+        "pp2_1f1b": L(4, pp_size=2, pp_schedule="1f1b", pp_microbatches=4),
+        "pp2_interleaved": L(4, pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
+        "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2),
+        "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2),
+        "pp2_uneven_5l": L(5, pp_size=2),  # default split: 3 + 2 layers
+    }),
+    "pp4r": (4, 4, {
+        "pp4_1f1b": L(4, pp_size=4, pp_microbatches=4),
+        "pp2_fsdp2": L(4, pp_size=2, dp_shard_size=2),
+        "pp2_tp2": L(4, pp_size=2, tp_size=2),
+    }),
 }
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
-FAMILIES = {2: ["llama", "qwen3", "mistral", "gemma"], 4: ["llama", "qwen3", "mistral", "gemma"],
-            8: ["llama", "qwen3", "mistral"]}
-CASES = [(w, f, name) for w, layouts in LAYOUTS.items() for f in FAMILIES[w] for name in layouts]
+FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
+            "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
+            "pp4r": ["llama", "qwen3", "mistral"]}
+CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts]
 
 
-def _dp(layout: dict, world: int) -> int:
-    tp = layout.get("tp_size", 1)
-    shard = layout.get("dp_shard_size", 1)
-    replicate = layout.get("dp_replicate_size", 1)
+def _dp(config: dict, world: int) -> int:
+    others = config.get("tp_size", 1) * config.get("pp_size", 1) * config.get("cp_size", 1)
+    replicate = config.get("dp_replicate_size", 1)
+    shard = config.get("dp_shard_size", 1)
     if shard == -1:
-        shard = world // (tp * replicate)
+        shard = world // (others * replicate)
     return replicate * shard
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_models, tmp_path_factory):
-    """world size -> directory of rank-0 results, launched lazily once per world size."""
-    done = {}
+def model_dirs(tmp_path_factory):
+    from nd_parallel.toy import save_tiny_model
 
-    def get(world):
-        if world not in done:
-            out = tmp_path_factory.mktemp(f"parity{world}")
-            spec = {
-                "models": {f: tiny_models[f] for f in FAMILIES[world]},
-                "layouts": LAYOUTS[world],
-                "recipe": RECIPE,
-                "samples": SAMPLES,
-            }
-            (out / "spec.json").write_text(json.dumps(spec))
-            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
-            done[world] = out
-        return done[world]
+    root, made = tmp_path_factory.mktemp("parity_models"), {}
+
+    def get(family, layers):
+        if (family, layers) not in made:
+            made[family, layers] = str(save_tiny_model(family, root / f"{family}{layers}", num_hidden_layers=layers))
+        return made[family, layers]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
-    cache = {}
-    samples = make_samples(**SAMPLES)
+def runs(model_dirs, tmp_path_factory):
+    """launch name -> directory of rank-0 results, launched lazily once per launch."""
+    done = {}
 
-    def get(family, dp):
-        if (family, dp) not in cache:
-            cache[family, dp] = train_reference(tiny_models[family], samples, dp, Recipe(**RECIPE))
-        return cache[family, dp]
+    def get(name):
+        if name not in done:
+            world, per_rank, layouts = LAUNCHES[name]
+            out = tmp_path_factory.mktemp(f"parity_{name}")
+            spec = {
+                "models": {f"{f}{lay['layers']}": model_dirs(f, lay["layers"])
+                           for f in FAMILIES[name] for lay in layouts.values()},
+                "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}"]
+                         for f in FAMILIES[name] for n, lay in layouts.items()],
+                "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
+                "samples": SAMPLES,
+            }
+            (out / "spec.json").write_text(json.dumps(spec))
+            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
+            done[name] = out
+        return done[name]
 
     return get
 
 
-@pytest.mark.parametrize("world,family,layout", CASES, ids=[f"{w}r-{f}-{n}" for w, f, n in CASES])
-def test_layout_matches_single_process(world, family, layout, runs, references):
-    saved = torch.load(runs(world) / f"{family}__{layout}.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def references(model_dirs):
+    cache = {}
+    samples = make_samples(**SAMPLES)
+
+    def get(family, layers, dp, per_rank):
+        key = (family, layers, dp, per_rank)
+        if key not in cache:
+            recipe = Recipe(steps=5, per_rank_batch=per_rank, lr=1e-3)
+            cache[key] = train_reference(model_dirs(family, layers), samples, dp, recipe)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("launch_name,family,layout", CASES, ids=[f"{a}-{f}-{n}" for a, f, n in CASES])
+def test_layout_matches_single_process(launch_name, family, layout, runs, references):
+    world, per_rank, layouts = LAUNCHES[launch_name]
+    saved = torch.load(runs(launch_name) / f"{family}__{layout}.pt", weights_only=True)
     run = RunResult(saved["losses"], saved["norms"], saved["state"])
-    ref = references(family, _dp(LAYOUTS[world][layout], world))
+    lay = layouts[layout]
+    ref = references(family, lay["layers"], _dp(lay["config"], world), per_rank)
     diff = compare(ref, run)
-    print(f"{world} ranks {family} {layout}: {diff}")
+    print(f"{launch_name} {family} {layout}: {diff}")
     assert saved["rank_spread"] == 0.0, "the reported loss differs between ranks"
     assert diff["loss_rel"] <= LOSS_RTOL, (diff, run.losses, ref.losses)
     assert diff["norm_rel"] <= NORM_RTOL, (diff, run.norms, ref.norms)

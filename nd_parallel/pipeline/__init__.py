@@ -1,0 +1,120 @@
+"""Pipeline parallelism: split (pure), stage building, schedules, the torch backend."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..fsdp import apply_fsdp
+from ..tensor_parallel import apply_tp
+from .schedules import SCHEDULES, check_microbatches
+from .split import model_parts, split_stages, stage_ids_for_rank
+from .stage import make_stage_module
+from .torch_backend import PipelineLoss, PipelineModel
+
+logger = logging.getLogger(__name__)
+
+
+class TiedWeights:
+    """Keeps a tied embedding / lm_head pair equal when the two live in different stages.
+
+    The stages hold separate copies; after every backward each copy's gradient is replaced by the sum of
+    both (what a single shared parameter would receive), so identical AdamW updates keep them identical.
+    """
+
+    def __init__(self, embed: nn.Parameter | None, head: nn.Parameter | None, group):
+        self.embed, self.head, self.group = embed, head, group
+
+    @property
+    def duplicate(self) -> nn.Parameter | None:
+        """The copy left out of the gradient norm, so the shared weight is counted once."""
+        return self.head
+
+    @staticmethod
+    def _local(grad):
+        return grad.to_local() if hasattr(grad, "to_local") else grad
+
+    @staticmethod
+    def _match_placement(param: nn.Parameter) -> None:
+        # A vocab-sharded embedding's gradient can come back replicated; give both copies the parameter's
+        # own layout so their local pieces line up element for element.
+        grad = param.grad
+        if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+    def sync_grads(self) -> None:
+        held = [p for p in (self.embed, self.head) if p is not None]
+        for p in held:
+            self._match_placement(p)
+        if len(held) == 2:  # both copies on this rank (V-shaped schedules): add locally
+            total = self._local(self.embed.grad) + self._local(self.head.grad)
+            self._local(self.embed.grad).copy_(total)
+            self._local(self.head.grad).copy_(total)
+        elif held and self.group is not None:
+            dist.all_reduce(self._local(held[0].grad), group=self.group)
+
+
+def _tied_group(mesh, first_pp: int, last_pp: int):
+    """One process group per (dp, cp, tp) coordinate joining the ranks of the first and the last stage."""
+    ranks = mesh.world.mesh  # [pp, dp_replicate, dp_shard, cp, tp] -> global rank
+    mine = None
+    for a, b in zip(ranks[first_pp].flatten().tolist(), ranks[last_pp].flatten().tolist()):
+        group = dist.new_group([a, b])  # every rank creates every group, in the same order
+        if dist.get_rank() in (a, b):
+            mine = group
+    return mine
+
+
+def _untie(model: nn.Module) -> bool:
+    """Give lm_head its own copy of a tied weight (the stages holding them are different modules)."""
+    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or emb is None or head.weight is not emb.weight:
+        return False
+    head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+    return True
+
+
+def layer_counts(config, num_layers: int) -> list[int] | None:
+    if isinstance(config.pp_balance, (list, tuple)):
+        return list(config.pp_balance)
+    if config.pp_balance == "profile":
+        raise NotImplementedError("pp_balance='profile' is not available yet; use 'uniform' or a list of layers")
+    return None
+
+
+def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> PipelineModel:
+    """Split ``model`` into this rank's stages, apply TP and FSDP per stage, and wrap them for the loop."""
+    parts = model_parts(model)
+    num_stages = config.pp_size * config.pp_virtual_stages
+    specs = split_stages(parts, num_stages, layer_counts(config, parts.num_layers))
+    info = SCHEDULES[config.pp_schedule]
+    check_microbatches(config.pp_schedule, config.pp_size, config.microbatches)
+    pp_rank = mesh.local_rank("pp")
+    mine = [specs[i] for i in stage_ids_for_rank(pp_rank, config.pp_size, config.pp_virtual_stages, info.placement)]
+    loss = PipelineLoss(model)
+    tied = _untie(model)
+    stages = []
+    for spec in mine:
+        stage = make_stage_module(model, parts, spec, num_stages)
+        if config.tp_size > 1:
+            apply_tp(stage, mesh["tp"], plan_overrides=config.tp_plan)
+        if mesh.fsdp_mesh is not None:
+            apply_fsdp(stage, mesh.fsdp_mesh)
+        stages.append(stage)
+    tied_weights = None
+    if tied:
+        last_pp = 0 if info.placement == "v" else config.pp_size - 1
+        group = _tied_group(mesh, 0, last_pp) if last_pp != 0 else None
+        embed = stages[[s.index for s in mine].index(0)].get_input_embeddings().weight if any(
+            s.index == 0 for s in mine) else None
+        head = stages[[s.index for s in mine].index(num_stages - 1)].get_output_embeddings().weight if any(
+            s.index == num_stages - 1 for s in mine) else None
+        tied_weights = TiedWeights(embed, head, group)
+    counts = [len(s.layers) for s in specs]
+    logger.info("applied PP over %d ranks: %d stages (layers per stage %s), schedule %s, %d micro-batches",
+                config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)
+    return PipelineModel(stages, mine, num_stages, mesh, config.pp_schedule, config.microbatches, device, loss,
+                         model.config, tied_weights)

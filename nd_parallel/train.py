@@ -1,0 +1,438 @@
+"""Training-loop helpers behind `nd-parallel train` and `nd-parallel demo`.
+
+- `TrainConfig` / `load_train_config`: the Axolotl-style YAML, checked in the parent before any rank starts.
+- `build_samples`: text files -> tokenized documents packed into right-padded `sequence_len` samples.
+- `train_steps`: the Accelerate loop with gradient accumulation that keeps the global-token mean.
+- `run_rank`: what every launched rank executes (``python nd_parallel/train.py JOB.json`` under torchrun);
+  rank 0 gathers every rank's results into ``results.pt`` for the parent to report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nd_parallel.config import PARALLEL_KEYS, ConfigError, ParallelismConfig
+from nd_parallel.loss import IGNORE_INDEX, count_label_tokens
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SCHEDULERS = ("constant", "linear", "cosine")
+
+
+@dataclass
+class DatasetSpec:
+    """One text source (Axolotl's `datasets:` entry)."""
+
+    path: str
+    """Local .txt (one document per non-empty line), .jsonl or .json (records) file."""
+    type: str = "completion"
+    """Only "completion": every token of the text is trained on."""
+    field: str = "text"
+    """Key holding the text in .jsonl / .json records."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
+
+    base_model: str
+    """Local directory of a Hugging Face causal-LM checkpoint. Required."""
+    datasets: list[DatasetSpec]
+    """Text sources; `dataset_path: FILE` is shorthand for one completion source. Required."""
+    sequence_len: int = 512
+    """Tokens per sample; documents are packed into samples of at most this length. Default 512; >= 2."""
+    micro_batch_size: int = 1
+    """Samples per rank per forward pass. Default 1."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Default 1."""
+    max_steps: int | None = None
+    """Optimizer steps. Default None = one pass over the data."""
+    learning_rate: float = 1e-4
+    """AdamW peak learning rate. Default 1e-4."""
+    weight_decay: float = 0.0
+    """AdamW weight decay. Default 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this. Default 1.0."""
+    lr_scheduler: str = "cosine"
+    """"constant", "linear" or "cosine" (default), after `warmup_steps` linear warm-up steps."""
+    warmup_steps: int = 0
+    """Linear warm-up steps. Default 0."""
+    seed: int = 42
+    """Seed set on every rank before the model is loaded. Default 42."""
+    output_dir: str = "outputs/nd-parallel"
+    """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
+    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The layout: built from the parallel keys (PARALLEL_KEYS) of the same file."""
+
+
+# key -> (type, smallest valid value); floats accept YAML's "1e-4", which PyYAML reads as a string.
+_CHECKS = {"sequence_len": (int, 2), "micro_batch_size": (int, 1), "gradient_accumulation_steps": (int, 1),
+           "max_steps": (int, 1), "warmup_steps": (int, 0), "seed": (int, 0), "learning_rate": (float, 0.0),
+           "weight_decay": (float, 0.0), "max_grad_norm": (float, 0.0)}
+TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel") | {"dataset_path"}
+
+
+def _suggest(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, sorted(choices), n=1)
+    return f"did you mean {close[0]!r}?" if close else "valid keys are: " + ", ".join(sorted(choices))
+
+
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """The top-level mapping of a YAML file, read with safe_load; errors name the file and the fix."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    try:
+        data = yaml.safe_load(text)  # safe_load only: reading a config must never run code
+    except yaml.constructor.ConstructorError as err:
+        mark = err.problem_mark
+        raise ConfigError(f"{path}, line {mark.line + 1}: {err.problem}; only plain YAML values are allowed "
+                          "(numbers, strings, lists, mappings): remove the tag") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', None) or err}") from None
+    if not isinstance(data, dict):
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(f"{path} is {got}; expected a mapping of keys such as 'base_model: path/to/model'")
+    return data
+
+
+def _check_value(path, key: str, value: Any) -> Any:
+    kind, low = _CHECKS[key]
+    if kind is float and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or value < low or (kind is float and key != "weight_decay" and value == 0):
+        need = "an integer" if kind is int else "a number"
+        bound = f">= {low}" if kind is int or key == "weight_decay" else "> 0"
+        raise ConfigError(f"{path}: {key}={value!r} must be {need} {bound}")
+    return kind(value)
+
+
+def _dataset_specs(path, datasets: Any, dataset_path: Any) -> list[DatasetSpec]:
+    if (datasets is None) == (dataset_path is None):
+        raise ConfigError(f"{path}: give the training text as either 'datasets: [{{path: data.jsonl, type: "
+                          "completion, field: text}]' or 'dataset_path: data.txt' (exactly one of them)")
+    if dataset_path is not None:
+        datasets = [{"path": dataset_path}]
+    if not isinstance(datasets, list) or not datasets:
+        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, field}} mappings")
+    valid = {f.name for f in dataclasses.fields(DatasetSpec)}
+    specs = []
+    for i, entry in enumerate(datasets):
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
+        for key in entry:
+            if key not in valid:
+                raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {_suggest(key, valid)}")
+        spec = DatasetSpec(**entry)
+        if spec.type != "completion":
+            raise ConfigError(f"{path}: datasets[{i}].type={spec.type!r} is not supported; use 'completion'")
+        specs.append(spec)
+    return specs
+
+
+def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
+    """Parse and check a training YAML (no file of the model or data is opened yet)."""
+    data = read_yaml_mapping(path)
+    for key in data:
+        if key not in TRAIN_KEYS and key not in PARALLEL_KEYS:
+            raise ConfigError(f"unknown key {key!r} in {path}; {_suggest(str(key), TRAIN_KEYS | PARALLEL_KEYS)}")
+    if not isinstance(data.get("base_model"), str):
+        raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
+                          "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
+    yaml_layout = {k: v for k, v in data.items() if k in PARALLEL_KEYS}
+    # One precedence rule (config.py): YAML overrides the PARALLELISM_CONFIG_* variables.
+    layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
+    train = {k: v for k, v in data.items() if k in TRAIN_KEYS}
+    specs = _dataset_specs(path, train.pop("datasets", None), train.pop("dataset_path", None))
+    for key in _CHECKS:
+        if train.get(key) is not None:
+            train[key] = _check_value(path, key, train[key])
+    if train.get("lr_scheduler", "cosine") not in SCHEDULERS:
+        raise ConfigError(f"{path}: lr_scheduler={train['lr_scheduler']!r}; use one of {', '.join(SCHEDULERS)}")
+    return TrainConfig(**train, datasets=specs, parallel=layout)
+
+
+# ----------------------------------------------------------------------------------------------- data
+def read_documents(spec: DatasetSpec) -> list[str]:
+    """Texts of one source: non-empty lines of a .txt, or `spec.field` of each .jsonl / .json record."""
+    path = Path(spec.path)
+    if not path.is_file():
+        raise ConfigError(f"dataset file {spec.path!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".txt":
+        return [line for line in text.splitlines() if line.strip()]
+    if path.suffix == ".jsonl":
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    elif path.suffix == ".json":
+        records = json.loads(text)
+    else:
+        raise ConfigError(f"dataset file {spec.path!r}: use a .txt, .jsonl or .json file")
+    for i, rec in enumerate(records if isinstance(records, list) else [records]):
+        if not isinstance(rec, dict) or not isinstance(rec.get(spec.field), str):
+            raise ConfigError(f"{spec.path}: record {i} has no string field {spec.field!r}; set 'field:'")
+    return [rec[spec.field] for rec in records]
+
+
+def load_tokenizer(model_dir: str):
+    """The checkpoint's own tokenizer, or None when the directory has none (byte-level fallback)."""
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _encoder(tokenizer):
+    """(text -> ids ending with a document separator, pad id)."""
+    if tokenizer is None:
+        from nd_parallel.toy import PAD_ID, encode
+
+        return (lambda text: encode(text + "\n")), PAD_ID
+    eos = tokenizer.eos_token_id
+
+    def encode_doc(text):
+        ids = tokenizer(text)["input_ids"]
+        return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    return encode_doc, pad
+
+
+def _padded(ids: list[int], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    pad = seq_len - len(ids)
+    return {"input_ids": torch.tensor(ids + [pad_id] * pad),
+            "labels": torch.tensor(ids + [IGNORE_INDEX] * pad),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad)}
+
+
+def pack(docs: list[list[int]], seq_len: int, pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Whole documents packed greedily into samples of <= seq_len tokens (longer ones cut), right-padded."""
+    samples, current = [], []
+    for ids in docs:
+        for start in range(0, len(ids), seq_len):
+            chunk = ids[start:start + seq_len]
+            if len(current) + len(chunk) > seq_len:
+                samples.append(_padded(current, seq_len, pad_id))
+                current = []
+            current = current + chunk
+    if current:
+        samples.append(_padded(current, seq_len, pad_id))
+    return samples
+
+
+def _vocab_size(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("vocab_size") or config.get("text_config", {})["vocab_size"]
+
+
+def build_samples(base_model: str, datasets: list[DatasetSpec], sequence_len: int) -> tuple[list[dict], str]:
+    """(samples, how the text was tokenized); deterministic, so every rank may build the same list."""
+    tokenizer = load_tokenizer(base_model)
+    encode, pad_id = _encoder(tokenizer)
+    docs = [encode(text) for spec in datasets for text in read_documents(spec)]
+    vocab = _vocab_size(base_model)
+    top = max((max(d) for d in docs if d), default=0)
+    if top >= vocab:
+        raise ConfigError(f"token id {top} does not fit the vocabulary ({vocab}) of {base_model}; "
+                          "add the checkpoint's tokenizer files to that directory")
+    how = (f"tokenizer of {base_model}" if tokenizer is not None else
+           f"byte-level ids: no tokenizer files in {base_model}")
+    return pack(docs, sequence_len, pad_id), how
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+# ----------------------------------------------------------------------------------------------- loop
+def _endless(loader):
+    while True:  # epochs repeat the same order: the data is not shuffled, so runs are reproducible
+        yield from loader
+
+
+def train_steps(accelerator, model, optimizer, scheduler, loader, *, steps: int, accumulation: int,
+                max_norm: float, on_step=None) -> tuple[list[float], list[float]]:
+    """Optimizer steps over `accumulation` micro-batches each; returns (loss per step, grad norm per step)."""
+    batches = _endless(loader)
+    losses, norms = [], []
+    for step in range(steps):
+        micro = [next(batches) for _ in range(accumulation)]  # prefetched: the step's token count comes first
+        # This rank's label tokens over the whole step. The model's loss hook adds the other data-parallel ranks'
+        # counts, so each micro-step's loss is its share of the step's global-token mean.
+        local = sum(int(count_label_tokens(mb["labels"])) for mb in micro)
+        total = 0.0
+        for mb in micro:
+            loss = model(**mb, num_items_in_batch=local).loss
+            loss.backward()  # not accelerator.backward: it would divide by the accumulation steps a second time
+            total += loss.item()
+        norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total)
+        norms.append(norm)
+        if on_step is not None:
+            on_step(step, total, norm)
+    return losses, norms
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP/TP): only this rank's shard is real
+    return t.numel() * t.element_size()
+
+
+def local_state_bytes(optimizer) -> dict[str, int]:
+    """Bytes this rank holds for parameters and AdamW moments, measured on the real (sharded) tensors, and
+    what one process would hold unsharded (a DTensor's numel is the global one; AdamW keeps 2 moments)."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    params = list({id(p): p for g in opt.param_groups for p in g["params"]}.values())
+    moments = [v for p in params for k, v in opt.state.get(p, {}).items() if k != "step" and torch.is_tensor(v)]
+    return {"params": sum(map(_local_bytes, params)), "optimizer": sum(map(_local_bytes, moments)),
+            "unsharded": 3 * sum(p.numel() * p.element_size() for p in params),
+            "unsharded_params": sum(p.numel() for p in params)}
+
+
+def save_hf(accelerator, model, output_dir: str, tokenizer_dir: str | None = None) -> None:
+    """Full checkpoint that AutoModelForCausalLM.from_pretrained(output_dir) loads; collective, main writes."""
+    from safetensors.torch import save_file
+
+    state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    # A tied weight appears under two names; safetensors refuses shared storage, and from_pretrained
+    # re-ties the dropped name from the config.
+    unique = {name for name, _ in model.named_parameters()}
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in tied}
+    os.makedirs(output_dir, exist_ok=True)
+    model.config.save_pretrained(output_dir)
+    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir is not None and load_tokenizer(tokenizer_dir) is not None:
+        load_tokenizer(tokenizer_dir).save_pretrained(output_dir)
+
+
+# ----------------------------------------------------------------------------------------------- ranks
+def adopt_launcher_env(environ=None) -> None:
+    """Launcher boundary, before ``Accelerator()``: let it see every rank, with nd_parallel owning the layout."""
+    env = os.environ if environ is None else environ
+    # `accelerate launch` sets this for a config file with a parallelism_config section; Accelerator() would
+    # then build its own ParallelismConfig and mesh, which it refuses on CPU and which would duplicate ours.
+    env.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    # With this on, from_pretrained loads real weights on local rank 0 only and expects accelerate's FSDP
+    # wrapping to broadcast them; nd_parallel loads the checkpoint on every rank instead.
+    if env.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in ("1", "true"):
+        env["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
+    # accelerate's multi-process launcher never sets it (even with use_cpu: true); without it a CPU-only
+    # Accelerator() ignores the other ranks.
+    if int(env.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"
+
+
+def _progress(accelerator, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not accelerator.is_main_process, dynamic_ncols=True)
+
+
+def _demo(accelerator, plugin, job, samples, bar):
+    from nd_parallel.parity import Recipe, train_layout
+
+    def progress(step, loss):
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update()
+
+    result = train_layout(accelerator, plugin, job["model_dir"], samples, Recipe(**job["recipe"]), progress)
+    # train_layout keeps its optimizer to itself; prepare() registered it with the accelerator.
+    return result.losses, result.norms, result.state, accelerator._optimizers[-1]
+
+
+def _train(accelerator, plugin, job, samples, bar):
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import get_scheduler
+
+    t = job["train"]
+    set_seed(t["seed"])
+    model = plugin.from_pretrained(t["base_model"], attn_implementation="sdpa", dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=t["weight_decay"])
+    scheduler = get_scheduler(t["lr_scheduler"], optimizer, num_warmup_steps=t["warmup_steps"],
+                              num_training_steps=t["max_steps"])
+    loader = DataLoader(samples, batch_size=t["micro_batch_size"], drop_last=True, collate_fn=collate)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    log = None
+    if accelerator.is_main_process:
+        os.makedirs(t["output_dir"], exist_ok=True)
+        log = open(os.path.join(t["output_dir"], "train_log.jsonl"), "w", encoding="utf-8")
+
+    def on_step(step, loss, norm):
+        lr = scheduler.get_last_lr()[0]
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update()
+        if log is not None:
+            bar.write(f"step {step + 1}/{t['max_steps']}  loss {loss:.4f}  grad_norm {norm:.4f}  lr {lr:.3g}")
+            log.write(json.dumps({"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr}) + "\n")
+            log.flush()
+
+    losses, norms = train_steps(accelerator, model, optimizer, scheduler, loader, steps=t["max_steps"],
+                                accumulation=t["gradient_accumulation_steps"], max_norm=t["max_grad_norm"],
+                                on_step=on_step)
+    if log is not None:
+        log.close()
+    save_hf(accelerator, model, t["output_dir"], tokenizer_dir=t["base_model"])
+    return losses, norms, {}, optimizer
+
+
+def run_rank(job: dict) -> dict | None:
+    """Train one job on this rank; rank 0 returns (and writes to job["results"]) every rank's results."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    from nd_parallel import NDParallelPlugin
+
+    adopt_launcher_env()
+    if job.get("quiet"):  # the demo's output is its table: hide library warnings meant for developers
+        warnings.filterwarnings("ignore")
+        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    accelerator = Accelerator()
+    plugin = NDParallelPlugin(ParallelismConfig(**job["layout"])).attach(accelerator)
+    samples = job["samples"] if isinstance(job["samples"], list) else torch.load(job["samples"])
+    with _progress(accelerator, job["steps"], job["name"]) as bar:
+        losses, norms, state, optimizer = (_demo if job["kind"] == "demo" else _train)(
+            accelerator, plugin, job, samples, bar)
+    mine = {"losses": losses, "bytes": local_state_bytes(optimizer), "device": str(accelerator.device)}
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    accelerator.end_training()  # destroys the process group; rank 0 may go on to the single-process reference
+    if not accelerator.is_main_process:
+        return None
+    results = {"ranks": ranks, "losses": losses, "norms": norms, "state": state,
+               "layout": plugin.config.describe()}
+    if job.get("results"):
+        torch.save(results, job["results"])
+    return results
+
+
+if __name__ == "__main__":  # a launched rank: python nd_parallel/train.py JOB.json
+    run_rank(json.loads(Path(sys.argv[1]).read_text()))
