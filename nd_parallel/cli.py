@@ -10,21 +10,160 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import re
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from .config import ConfigError, ParallelismConfig
+from .config import PARALLEL_KEYS, ConfigError, ParallelismConfig
+from .train import DatasetSpec
 
 _TOKEN = re.compile(r"(ddp|fsdp|hsdp|tp|cp|pp)(\d*)(?:x(\d+))?")
 _SIZE_OF = {"ddp": "dp_replicate_size", "fsdp": "dp_shard_size", "tp": "tp_size", "cp": "cp_size", "pp": "pp_size"}
 TOLERANCE = 1e-5  # the parity matrix's tolerances (ARCHITECTURE.md), quoted next to the demo's numbers
+SCHEDULERS = ("constant", "linear", "cosine")
 
 
+# ---------------------------------------------------------------------------------------------- train YAML
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
+
+    base_model: str
+    """Local directory of a Hugging Face causal-LM checkpoint. Required."""
+    datasets: list[DatasetSpec]
+    """Text sources; `dataset_path: FILE` is shorthand for one completion source. Required."""
+    sequence_len: int = 512
+    """Tokens per sample; documents are packed into samples of at most this length. Default 512; >= 2."""
+    micro_batch_size: int = 1
+    """Samples per rank per forward pass. Default 1."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Default 1."""
+    max_steps: int | None = None
+    """Optimizer steps. Default None = one pass over the data."""
+    learning_rate: float = 1e-4
+    """AdamW peak learning rate. Default 1e-4."""
+    weight_decay: float = 0.0
+    """AdamW weight decay. Default 0."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this. Default 1.0."""
+    lr_scheduler: str = "cosine"
+    """"constant", "linear" or "cosine" (default), after `warmup_steps` linear warm-up steps."""
+    warmup_steps: int = 0
+    """Linear warm-up steps. Default 0."""
+    seed: int = 42
+    """Seed set on every rank before the model is loaded. Default 42."""
+    output_dir: str = "outputs/nd-parallel"
+    """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
+    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
+    """The layout: built from the parallel keys (PARALLEL_KEYS) of the same file."""
+
+
+# key -> (type, bound, how a value compares with the bound)
+_CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
+           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (int, 0, ">="), "seed": (int, 0, ">="),
+           "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">")}
+TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel") | {"dataset_path"}
+
+
+def _suggest(key: str, choices) -> str:
+    close = difflib.get_close_matches(key, sorted(choices), n=1)
+    return f"did you mean {close[0]!r}?" if close else "valid keys are: " + ", ".join(sorted(choices))
+
+
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """The top-level mapping of a YAML file, read with safe_load; errors name the file and the fix."""
+    import yaml
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    try:
+        data = yaml.safe_load(text)  # safe_load only: reading a config must never run code
+    except yaml.constructor.ConstructorError as err:
+        mark = err.problem_mark
+        raise ConfigError(f"{path}, line {mark.line + 1}: {err.problem}; only plain YAML values are allowed "
+                          "(numbers, strings, lists, mappings): remove the tag") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', None) or err}") from None
+    if not isinstance(data, dict):
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise ConfigError(f"{path} is {got}; expected a mapping of keys such as 'base_model: path/to/model'")
+    return data
+
+
+def _check_value(path, key: str, value: Any) -> Any:
+    kind, bound, op = _CHECKS[key]
+    if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    number = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    if not number or value < bound or (op == ">" and value == bound):
+        raise ConfigError(f"{path}: {key}={value!r} must be {'an integer' if kind is int else 'a number'} "
+                          f"{op} {bound}")
+    return kind(value)
+
+
+def _dataset_specs(path, datasets: Any, dataset_path: Any) -> list[DatasetSpec]:
+    if (datasets is None) == (dataset_path is None):
+        raise ConfigError(f"{path}: give the training text as either 'datasets: [{{path: data.jsonl, type: "
+                          "completion, field: text}]' or 'dataset_path: data.txt' (exactly one of them)")
+    if dataset_path is not None:
+        datasets = [{"path": dataset_path}]
+    if not isinstance(datasets, list) or not datasets:
+        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, field}} mappings")
+    valid = {f.name for f in dataclasses.fields(DatasetSpec)}
+    specs = []
+    for i, entry in enumerate(datasets):
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
+        for key in entry:
+            if key not in valid:
+                raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {_suggest(key, valid)}")
+        spec = DatasetSpec(**entry)
+        if spec.type != "completion":
+            raise ConfigError(f"{path}: datasets[{i}].type={spec.type!r} is not supported; use 'completion'")
+        specs.append(spec)
+    return specs
+
+
+def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
+    """Parse and check a training YAML (no file of the model or data is opened yet)."""
+    data = read_yaml_mapping(path)
+    for key in data:
+        if key not in TRAIN_KEYS and key not in PARALLEL_KEYS:
+            raise ConfigError(f"unknown key {key!r} in {path}; {_suggest(str(key), TRAIN_KEYS | PARALLEL_KEYS)}")
+    if "base_model" in data and not isinstance(data["base_model"], str):
+        raise ConfigError(f"{path}: base_model={data['base_model']!r} must be a directory path (a string)")
+    if "base_model" not in data:
+        raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
+                          "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
+    yaml_layout = {k: v for k, v in data.items() if k in PARALLEL_KEYS}
+    # One precedence rule (config.py): YAML overrides the PARALLELISM_CONFIG_* variables.
+    layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
+    train = {k: v for k, v in data.items() if k in TRAIN_KEYS}
+    specs = _dataset_specs(path, train.pop("datasets", None), train.pop("dataset_path", None))
+    for key in _CHECKS:
+        if train.get(key) is not None:
+            train[key] = _check_value(path, key, train[key])
+    if train.get("lr_scheduler", "cosine") not in SCHEDULERS:
+        raise ConfigError(f"{path}: lr_scheduler={train['lr_scheduler']!r}; use one of {', '.join(SCHEDULERS)}")
+    return TrainConfig(**train, datasets=specs, parallel=layout)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
 def parse_layout(name: str) -> dict[str, int]:
     """ParallelismConfig kwargs of a layout name: '_'-joined ddpN, fsdpN (fsdp = the ranks left), hsdpRxS, tpN,
     cpN, ppN; e.g. fsdp2_tp2 -> dp_shard_size=2, tp_size=2."""
@@ -151,7 +290,8 @@ def cmd_demo(args) -> int:
         tmp = Path(tmp)
         model_dir = str(save_tiny_model(args.family, tmp / "model", seed=args.seed))
         samples = make_samples(args.steps * recipe.per_rank_batch * config.dp_size, args.seq_len, seed=args.seed)
-        torch.save(samples, tmp / "samples.pt")
+        if device != "launched":
+            torch.save(samples, tmp / "samples.pt")
         job = {"kind": "demo", "name": args.layout, "layout": config.to_dict(), "model_dir": model_dir,
                "samples": samples if device == "launched" else str(tmp / "samples.pt"),
                "recipe": dataclasses.asdict(recipe), "steps": args.steps, "quiet": not args.verbose}
@@ -186,7 +326,7 @@ def cmd_demo(args) -> int:
 def cmd_train(args) -> int:
     import torch
 
-    from .train import build_samples, load_train_config
+    from .train import build_samples
 
     cfg = load_train_config(args.config)
     cfg.base_model = os.path.abspath(cfg.base_model)
@@ -207,7 +347,8 @@ def cmd_train(args) -> int:
     train = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("parallel", "datasets")}
     with tempfile.TemporaryDirectory(prefix="nd-parallel-train-") as tmp:
         tmp = Path(tmp)
-        torch.save(samples, tmp / "samples.pt")
+        if device != "launched":
+            torch.save(samples, tmp / "samples.pt")
         job = {"kind": "train", "name": Path(args.config).stem, "layout": config.to_dict(), "steps": steps,
                "samples": samples if device == "launched" else str(tmp / "samples.pt"),
                "train": {**train, "max_steps": steps}, "quiet": not args.verbose}

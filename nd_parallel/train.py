@@ -1,6 +1,5 @@
-"""Training-loop helpers behind `nd-parallel train` and `nd-parallel demo`.
+"""Training-loop helpers behind `nd-parallel train` and `nd-parallel demo` (the YAML side is in cli.py).
 
-- `TrainConfig` / `load_train_config`: the Axolotl-style YAML, checked in the parent before any rank starts.
 - `build_samples`: text files -> tokenized documents packed into right-padded `sequence_len` samples.
 - `train_steps`: the Accelerate loop with gradient accumulation that keeps the global-token mean.
 - `run_rank`: what every launched rank executes (``python nd_parallel/train.py JOB.json`` under torchrun);
@@ -9,24 +8,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
 import logging
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from nd_parallel.config import PARALLEL_KEYS, ConfigError, ParallelismConfig
+from nd_parallel.config import ConfigError, ParallelismConfig
 from nd_parallel.loss import IGNORE_INDEX, count_label_tokens
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-SCHEDULERS = ("constant", "linear", "cosine")
 
 
 @dataclass
@@ -39,137 +34,6 @@ class DatasetSpec:
     """Only "completion": every token of the text is trained on."""
     field: str = "text"
     """Key holding the text in .jsonl / .json records."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
-
-    base_model: str
-    """Local directory of a Hugging Face causal-LM checkpoint. Required."""
-    datasets: list[DatasetSpec]
-    """Text sources; `dataset_path: FILE` is shorthand for one completion source. Required."""
-    sequence_len: int = 512
-    """Tokens per sample; documents are packed into samples of at most this length. Default 512; >= 2."""
-    micro_batch_size: int = 1
-    """Samples per rank per forward pass. Default 1."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step. Default 1."""
-    max_steps: int | None = None
-    """Optimizer steps. Default None = one pass over the data."""
-    learning_rate: float = 1e-4
-    """AdamW peak learning rate. Default 1e-4."""
-    weight_decay: float = 0.0
-    """AdamW weight decay. Default 0."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this. Default 1.0."""
-    lr_scheduler: str = "cosine"
-    """"constant", "linear" or "cosine" (default), after `warmup_steps` linear warm-up steps."""
-    warmup_steps: int = 0
-    """Linear warm-up steps. Default 0."""
-    seed: int = 42
-    """Seed set on every rank before the model is loaded. Default 42."""
-    output_dir: str = "outputs/nd-parallel"
-    """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
-    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
-    """The layout: built from the parallel keys (PARALLEL_KEYS) of the same file."""
-
-
-# key -> (type, smallest valid value); floats accept YAML's "1e-4", which PyYAML reads as a string.
-_CHECKS = {"sequence_len": (int, 2), "micro_batch_size": (int, 1), "gradient_accumulation_steps": (int, 1),
-           "max_steps": (int, 1), "warmup_steps": (int, 0), "seed": (int, 0), "learning_rate": (float, 0.0),
-           "weight_decay": (float, 0.0), "max_grad_norm": (float, 0.0)}
-TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel") | {"dataset_path"}
-
-
-def _suggest(key: str, choices) -> str:
-    close = difflib.get_close_matches(key, sorted(choices), n=1)
-    return f"did you mean {close[0]!r}?" if close else "valid keys are: " + ", ".join(sorted(choices))
-
-
-def read_yaml_mapping(path: str | os.PathLike) -> dict:
-    """The top-level mapping of a YAML file, read with safe_load; errors name the file and the fix."""
-    import yaml
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read {path}: {err}") from None
-    try:
-        data = yaml.safe_load(text)  # safe_load only: reading a config must never run code
-    except yaml.constructor.ConstructorError as err:
-        mark = err.problem_mark
-        raise ConfigError(f"{path}, line {mark.line + 1}: {err.problem}; only plain YAML values are allowed "
-                          "(numbers, strings, lists, mappings): remove the tag") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', None) or err}") from None
-    if not isinstance(data, dict):
-        got = "empty" if data is None else f"a {type(data).__name__}"
-        raise ConfigError(f"{path} is {got}; expected a mapping of keys such as 'base_model: path/to/model'")
-    return data
-
-
-def _check_value(path, key: str, value: Any) -> Any:
-    kind, low = _CHECKS[key]
-    if kind is float and isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
-    if not ok or value < low or (kind is float and key != "weight_decay" and value == 0):
-        need = "an integer" if kind is int else "a number"
-        bound = f">= {low}" if kind is int or key == "weight_decay" else "> 0"
-        raise ConfigError(f"{path}: {key}={value!r} must be {need} {bound}")
-    return kind(value)
-
-
-def _dataset_specs(path, datasets: Any, dataset_path: Any) -> list[DatasetSpec]:
-    if (datasets is None) == (dataset_path is None):
-        raise ConfigError(f"{path}: give the training text as either 'datasets: [{{path: data.jsonl, type: "
-                          "completion, field: text}]' or 'dataset_path: data.txt' (exactly one of them)")
-    if dataset_path is not None:
-        datasets = [{"path": dataset_path}]
-    if not isinstance(datasets, list) or not datasets:
-        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, field}} mappings")
-    valid = {f.name for f in dataclasses.fields(DatasetSpec)}
-    specs = []
-    for i, entry in enumerate(datasets):
-        entry = {"path": entry} if isinstance(entry, str) else entry
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
-        for key in entry:
-            if key not in valid:
-                raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {_suggest(key, valid)}")
-        spec = DatasetSpec(**entry)
-        if spec.type != "completion":
-            raise ConfigError(f"{path}: datasets[{i}].type={spec.type!r} is not supported; use 'completion'")
-        specs.append(spec)
-    return specs
-
-
-def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
-    """Parse and check a training YAML (no file of the model or data is opened yet)."""
-    data = read_yaml_mapping(path)
-    for key in data:
-        if key not in TRAIN_KEYS and key not in PARALLEL_KEYS:
-            raise ConfigError(f"unknown key {key!r} in {path}; {_suggest(str(key), TRAIN_KEYS | PARALLEL_KEYS)}")
-    if not isinstance(data.get("base_model"), str):
-        raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
-                          "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
-    yaml_layout = {k: v for k, v in data.items() if k in PARALLEL_KEYS}
-    # One precedence rule (config.py): YAML overrides the PARALLELISM_CONFIG_* variables.
-    layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
-    train = {k: v for k, v in data.items() if k in TRAIN_KEYS}
-    specs = _dataset_specs(path, train.pop("datasets", None), train.pop("dataset_path", None))
-    for key in _CHECKS:
-        if train.get(key) is not None:
-            train[key] = _check_value(path, key, train[key])
-    if train.get("lr_scheduler", "cosine") not in SCHEDULERS:
-        raise ConfigError(f"{path}: lr_scheduler={train['lr_scheduler']!r}; use one of {', '.join(SCHEDULERS)}")
-    return TrainConfig(**train, datasets=specs, parallel=layout)
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -327,8 +191,9 @@ def save_hf(accelerator, model, output_dir: str, tokenizer_dir: str | None = Non
     os.makedirs(output_dir, exist_ok=True)
     model.config.save_pretrained(output_dir)
     save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_dir is not None and load_tokenizer(tokenizer_dir) is not None:
-        load_tokenizer(tokenizer_dir).save_pretrained(output_dir)
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    if tokenizer is not None:  # so that the output directory is a complete checkpoint
+        tokenizer.save_pretrained(output_dir)
 
 
 # ----------------------------------------------------------------------------------------------- ranks

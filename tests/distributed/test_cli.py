@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.cli import main, parse_layout
+from nd_parallel.cli import load_train_config, main, parse_layout
 from nd_parallel.config import ConfigError
 from nd_parallel.loss import count_label_tokens
 from nd_parallel.toy import make_text, save_tiny_model
-from nd_parallel.train import build_samples, collate, load_train_config
+from nd_parallel.train import build_samples, collate
 
 CLI = [sys.executable, "-m", "nd_parallel.cli"]
 
@@ -166,3 +166,46 @@ def test_layout_names():
     assert parse_layout("fsdp_tp2") == {"dp_shard_size": -1, "tp_size": 2}
     with pytest.raises(ConfigError, match="cannot read 'zero3'"):
         parse_layout("zero3_tp2")
+
+
+def test_pack_keeps_documents_whole_and_pads_right():
+    from nd_parallel.train import pack
+
+    samples = pack([[5, 6, 7], [8, 9], [1, 2, 3, 4, 5, 6, 7]], seq_len=5, pad_id=0)
+    assert [s["input_ids"].tolist() for s in samples] == [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5], [6, 7, 0, 0, 0]]
+    assert samples[2]["labels"].tolist() == [6, 7, -100, -100, -100]
+    assert samples[2]["attention_mask"].tolist() == [1, 1, 0, 0, 0]
+
+
+def test_samples_use_the_checkpoints_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from nd_parallel.train import DatasetSpec
+
+    lines = make_text(50, seed=0)
+    model = save_tiny_model("llama", tmp_path / "model")
+    word_level = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.train_from_iterator(lines, trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token="<pad>", unk_token="<unk>",
+                            eos_token="</s>").save_pretrained(model)
+    (tmp_path / "d.txt").write_text("\n".join(lines[:3]) + "\n")
+    samples, how = build_samples(str(model), [DatasetSpec(str(tmp_path / "d.txt"))], sequence_len=64)
+    assert how.startswith("tokenizer of")
+    ids = samples[0]["input_ids"].tolist()
+    words = sum(len(line.replace(".", " .").split()) for line in lines[:3])
+    assert ids.count(2) == 3 and ids[:words + 3].count(0) == 0  # one </s> per document, then <pad> (id 0)
+    assert samples[0]["labels"].tolist()[words + 3:] == [-100] * (64 - words - 3)
+
+
+def test_adopt_launcher_env_hands_the_layout_to_nd_parallel():
+    from nd_parallel.train import adopt_launcher_env
+
+    env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+           "WORLD_SIZE": "4", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    adopt_launcher_env(env)
+    assert "ACCELERATE_USE_PARALLELISM_CONFIG" not in env and env["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
+    assert env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
+    if not torch.cuda.is_available():
+        assert env["ACCELERATE_USE_CPU"] == "true"
