@@ -41,8 +41,13 @@ class ParallelMesh:
 
     config: ParallelismConfig
     world: DeviceMesh
+    flat: dict[str, DeviceMesh]
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        # Flattened views are kept as _flatten returned them: slicing them back out of the root mesh is
+        # deprecated in torch.
+        if isinstance(name, str) and name in self.flat:
+            return self.flat[name]
         return self.world[name]
 
     @property
@@ -50,10 +55,10 @@ class ParallelMesh:
         return self.world.device_type
 
     def size(self, name: str) -> int:
-        return self.world[name].size()
+        return self[name].size()
 
     def local_rank(self, name: str) -> int:
-        return self.world[name].get_local_rank()
+        return self[name].get_local_rank()
 
     @cached_property
     def fsdp_mesh(self) -> DeviceMesh | None:
@@ -65,9 +70,10 @@ class ParallelMesh:
         c = self.config
         if c.dp_replicate_size * c.dp_shard_size * c.cp_size == 1:
             return None
+        shard = "dp_shard" if c.cp_size == 1 else "dp_shard_cp"
         if c.dp_replicate_size > 1:
-            return self.world[("dp_replicate", "dp_shard_cp")]
-        return self.world["dp_shard_cp"]
+            return self.world[("dp_replicate", shard)]
+        return self[shard]
 
     def describe(self) -> str:
         coords = ", ".join(f"{n}={self.world[n].get_local_rank()}/{self.world[n].size()}" for n in DIM_NAMES)
@@ -87,7 +93,6 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
         config = config.resolve(world_size)
     shape = tuple(getattr(config, f"{n}_size") for n in DIM_NAMES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
-    for name, dims in FLAT_VIEWS.items():
-        world[dims]._flatten(name)
+    flat = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
     logger.info("built %s mesh %s over %d ranks", device_type, dict(zip(DIM_NAMES, shape)), world_size)
-    return ParallelMesh(config=config, world=world)
+    return ParallelMesh(config=config, world=world, flat=flat)

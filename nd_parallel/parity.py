@@ -47,7 +47,7 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe) -> RunResu
     """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
     opt, sched = _optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
     result = RunResult()
@@ -67,7 +67,7 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe) -> RunResu
 
 def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None) -> RunResult:
     """The unchanged Accelerate loop of ARCHITECTURE.md, under whatever layout ``plugin`` holds."""
-    model = plugin.from_pretrained(model_dir, attn_implementation="sdpa")
+    model = plugin.from_pretrained(model_dir)
     opt, sched = _optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)

@@ -23,7 +23,7 @@ from .grad_norm import clip_grad_norm_
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh, build_mesh
 from .parallelize import check_not_parallelized, parallelize
-from .pipeline import build_pipeline
+from .pipeline import build_pipeline, validate_pipeline
 from .tensor_parallel import check_divisibility, check_styles, resolve_plan
 
 logger = logging.getLogger("nd_parallel")
@@ -157,6 +157,8 @@ class NDParallelPlugin:
     def validate_model(self, model: nn.Module) -> None:
         """Model checks that need no process group: already sharded, heads vs tp, a usable tp_plan."""
         check_not_parallelized(model)
+        if self.config.pp_size > 1:
+            validate_pipeline(model, self.config)
         if self.config.tp_size > 1:
             check_divisibility(model, self.config.tp_size)
             if not resolve_plan(model, self.config.tp_plan):

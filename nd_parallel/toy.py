@@ -40,7 +40,10 @@ def tiny_config(family: str, **overrides):
     from transformers import AutoConfig
 
     kwargs = {**TINY, **FAMILIES.get(family, {}), **overrides}
-    return AutoConfig.for_model(family, **kwargs)
+    config = AutoConfig.for_model(family, **kwargs)
+    if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
+        config.pad_token_id = PAD_ID  # some families default to an id of their full-size vocabulary
+    return config
 
 
 def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrides) -> Path:
@@ -48,7 +51,11 @@ def save_tiny_model(family: str, directory: str | Path, seed: int = 0, **overrid
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="sdpa")
+    config = tiny_config(family, **overrides)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # families without an SDPA path (e.g. Gemma2's soft-capped attention)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     directory = Path(directory)
     model.save_pretrained(directory)
     return directory

@@ -8,13 +8,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import json
 import logging
+import math
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +39,37 @@ class DatasetSpec:
     """Only "completion": every token of the text is trained on."""
     field: str = "text"
     """Key holding the text in .jsonl / .json records."""
+
+
+def suggest(key: str, choices) -> str:
+    """'did you mean ...?' for a mistyped key, else the valid keys."""
+    close = difflib.get_close_matches(key, sorted(choices), n=1)
+    return f"did you mean {close[0]!r}?" if close else "valid keys are: " + ", ".join(sorted(choices))
+
+
+def dataset_specs(path, datasets: Any, dataset_path: Any) -> list[DatasetSpec]:
+    """The `datasets:` list (or `dataset_path:` string) of a YAML file `path`, checked."""
+    if (datasets is None) == (dataset_path is None):
+        raise ConfigError(f"{path}: give the training text as either 'datasets: [{{path: data.jsonl, type: "
+                          "completion, field: text}]' or 'dataset_path: data.txt' (exactly one of them)")
+    if dataset_path is not None:
+        datasets = [{"path": dataset_path}]
+    if not isinstance(datasets, list) or not datasets:
+        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, field}} mappings")
+    valid = {f.name for f in dataclasses.fields(DatasetSpec)}
+    specs = []
+    for i, entry in enumerate(datasets):
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
+        for key in entry:
+            if key not in valid:
+                raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {suggest(key, valid)}")
+        spec = DatasetSpec(**entry)
+        if spec.type != "completion":
+            raise ConfigError(f"{path}: datasets[{i}].type={spec.type!r} is not supported; use 'completion'")
+        specs.append(spec)
+    return specs
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -147,7 +183,8 @@ def train_steps(accelerator, model, optimizer, scheduler, loader, *, steps: int,
         total = 0.0
         for mb in micro:
             loss = model(**mb, num_items_in_batch=local).loss
-            loss.backward()  # not accelerator.backward: it would divide by the accumulation steps a second time
+            if not getattr(loss, "_nd_parallel_backward_done", False):  # a pipeline schedule ran it already
+                loss.backward()  # not accelerator.backward: it may divide by the accumulation steps a second time
             total += loss.item()
         norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
         optimizer.step()
@@ -166,14 +203,22 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 
 def local_state_bytes(optimizer) -> dict[str, int]:
-    """Bytes this rank holds for parameters and AdamW moments, measured on the real (sharded) tensors, and
-    what one process would hold unsharded (a DTensor's numel is the global one; AdamW keeps 2 moments)."""
+    """Bytes this rank holds for parameters and AdamW moments, measured on the real (sharded) tensors."""
     opt = getattr(optimizer, "optimizer", optimizer)
     params = list({id(p): p for g in opt.param_groups for p in g["params"]}.values())
     moments = [v for p in params for k, v in opt.state.get(p, {}).items() if k != "step" and torch.is_tensor(v)]
-    return {"params": sum(map(_local_bytes, params)), "optimizer": sum(map(_local_bytes, moments)),
-            "unsharded": 3 * sum(p.numel() * p.element_size() for p in params),
-            "unsharded_params": sum(p.numel() for p in params)}
+    return {"params": sum(map(_local_bytes, params)), "optimizer": sum(map(_local_bytes, moments))}
+
+
+def checkpoint_numel(model_dir: str) -> int:
+    """Parameters of a checkpoint, from its safetensors headers (a tied weight is stored once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118 (no __iter__)
+    return total
 
 
 def save_hf(accelerator, model, output_dir: str, tokenizer_dir: str | None = None) -> None:
@@ -238,31 +283,29 @@ def _train(accelerator, plugin, job, samples, bar):
 
     t = job["train"]
     set_seed(t["seed"])
-    model = plugin.from_pretrained(t["base_model"], attn_implementation="sdpa", dtype=torch.float32)
+    model = plugin.from_pretrained(t["base_model"], dtype=torch.float32)  # fp32: no mixed precision yet
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["learning_rate"], weight_decay=t["weight_decay"])
     scheduler = get_scheduler(t["lr_scheduler"], optimizer, num_warmup_steps=t["warmup_steps"],
                               num_training_steps=t["max_steps"])
     loader = DataLoader(samples, batch_size=t["micro_batch_size"], drop_last=True, collate_fn=collate)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    log = None
     if accelerator.is_main_process:
         os.makedirs(t["output_dir"], exist_ok=True)
-        log = open(os.path.join(t["output_dir"], "train_log.jsonl"), "w", encoding="utf-8")
+    log_file = os.path.join(t["output_dir"], "train_log.jsonl")
+    with open(log_file, "w", encoding="utf-8") if accelerator.is_main_process else contextlib.nullcontext() as log:
 
-    def on_step(step, loss, norm):
-        lr = scheduler.get_last_lr()[0]
-        bar.set_postfix(loss=f"{loss:.4f}")
-        bar.update()
-        if log is not None:
-            bar.write(f"step {step + 1}/{t['max_steps']}  loss {loss:.4f}  grad_norm {norm:.4f}  lr {lr:.3g}")
-            log.write(json.dumps({"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr}) + "\n")
-            log.flush()
+        def on_step(step, loss, norm):
+            bar.set_postfix(loss=f"{loss:.4f}")
+            bar.update()
+            if log is not None:
+                lr = scheduler.get_last_lr()[0]
+                bar.write(f"step {step + 1}/{t['max_steps']}  loss {loss:.4f}  grad_norm {norm:.4f}  lr {lr:.3g}")
+                log.write(json.dumps({"step": step + 1, "loss": loss, "grad_norm": norm, "lr": lr}) + "\n")
+                log.flush()
 
-    losses, norms = train_steps(accelerator, model, optimizer, scheduler, loader, steps=t["max_steps"],
-                                accumulation=t["gradient_accumulation_steps"], max_norm=t["max_grad_norm"],
-                                on_step=on_step)
-    if log is not None:
-        log.close()
+        losses, norms = train_steps(accelerator, model, optimizer, scheduler, loader, steps=t["max_steps"],
+                                    accumulation=t["gradient_accumulation_steps"], max_norm=t["max_grad_norm"],
+                                    on_step=on_step)
     save_hf(accelerator, model, t["output_dir"], tokenizer_dir=t["base_model"])
     return losses, norms, {}, optimizer
 

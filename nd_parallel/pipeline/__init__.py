@@ -85,6 +85,15 @@ def layer_counts(config, num_layers: int) -> list[int] | None:
     return None
 
 
+def validate_pipeline(model: nn.Module, config) -> None:
+    """Every pipeline check that needs only the model and the config (run before any collective)."""
+    parts = model_parts(model)
+    num_stages = config.pp_size * config.pp_virtual_stages
+    counts = None if config.pp_balance == "profile" else layer_counts(config, parts.num_layers)
+    split_stages(parts, num_stages, counts)
+    check_microbatches(config.pp_schedule, config.pp_size, config.microbatches)
+
+
 def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> PipelineModel:
     """Split ``model`` into this rank's stages, apply TP and FSDP per stage, and wrap them for the loop."""
     parts = model_parts(model)

@@ -207,16 +207,22 @@ def _saved_bytes(run, param_ptrs: set[int]) -> tuple[int, torch.Tensor]:
     return total, out
 
 
-def _time_module(fn, device: torch.device, repeats: int, warmup: int) -> float:
-    times = []
+def _time_rounds(fns: list, device: torch.device, repeats: int, warmup: int) -> list[float]:
+    """Median time of each function, measured in rounds (every function once per round).
+
+    Interleaving spreads a slow spell of the machine (another process, a frequency change) over every
+    function alike instead of charging it to whichever one was being measured; the ratios are what matter.
+    """
+    times: list[list[float]] = [[] for _ in fns]
     for k in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if k >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, row in zip(fns, times):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if k >= warmup:
+                row.append(time.perf_counter() - t0)
+    return [statistics.median(row) for row in times]
 
 
 def _module_runner(module: nn.Module, args: tuple, kwargs: dict, param_ptrs: set[int]):
@@ -285,26 +291,31 @@ def profile_layers(model: nn.Module, sample_batch: dict, *, parts: ModelParts | 
     params = {id(p): p for p in model.parameters()}
     saved_grads = {k: p.grad for k, p in params.items()}
     param_ptrs = {p.untyped_storage().data_ptr() for p in params.values()}
-    results = []
+    runs, owner, results = [], [], []  # one fwd+bwd runner per module (+ the loss), owner = unit index
     try:
-        for name, names in units:
-            seconds, act, pbytes, seen = 0.0, 0, 0, set()
+        for index, (name, names) in enumerate(units):
+            act, pbytes, seen = 0, 0, set()
             for fqn in names:
                 module = model.get_submodule(fqn)
                 run, activation = _module_runner(module, *capture.inputs[fqn], param_ptrs)
-                seconds += _time_module(run, device, repeats, warmup)
+                runs.append(run)
+                owner.append(index)
                 act += activation()
                 for p in module.parameters():
                     if id(p) not in seen:
                         seen.add(id(p))
                         pbytes += p.numel() * p.element_size()
             if name == "head":
-                seconds += _time_module(_loss_runner(model, logits, batch["labels"]), device, repeats, warmup)
-            results.append(UnitCost(name, seconds, pbytes, act))
+                runs.append(_loss_runner(model, logits, batch["labels"]))
+                owner.append(index)
+            results.append((name, pbytes, act))
+        seconds = [0.0] * len(units)
+        for index, t in zip(owner, _time_rounds(runs, device, repeats, warmup)):
+            seconds[index] += t
     finally:
         for k, p in params.items():
             p.grad = saved_grads[k]
-    return results
+    return [UnitCost(name, t, pbytes, act) for (name, pbytes, act), t in zip(results, seconds)]
 
 
 def sample_batch(model: nn.Module, shape: tuple[int, int] | None = None, seed: int = 0) -> dict:
@@ -352,11 +363,31 @@ def format_ms(values: list[float]) -> str:
     return "[" + ", ".join(f"{1e3 * v:.2f}" for v in values) + "]"
 
 
+def _profile_in_turns(model, batch, parts, group, repeats: int) -> list[UnitCost]:
+    """Ranks profile one after the other: ranks sharing one host's cores would otherwise slow each other."""
+    units = None
+    for turn in range(dist.get_world_size(group)):
+        dist.barrier(group=group)
+        if dist.get_rank(group) == turn:
+            units = profile_layers(model, batch, parts=parts, repeats=repeats)
+    dist.barrier(group=group)
+    return units
+
+
 def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tuple[int, int] | None = None,
-                 repeats: int = 5) -> tuple[BalancePlan, list[UnitCost]]:
-    """Profile on every rank of ``group``, agree on the costs, split; every rank returns the same plan."""
+                 repeats: int = 5, take_turns: bool | None = None) -> tuple[BalancePlan, list[UnitCost]]:
+    """Profile on every rank of ``group``, agree on the costs, split; every rank returns the same plan.
+
+    ``take_turns`` (default: on CPU) makes the ranks profile one at a time; accelerators profile together.
+    """
     parts = model_parts(model)
-    units = profile_layers(model, sample_batch(model, sample_shape), parts=parts, repeats=repeats)
+    batch = sample_batch(model, sample_shape)
+    if take_turns is None:
+        take_turns = next(model.parameters()).device.type == "cpu"
+    if take_turns and dist.is_initialized():
+        units = _profile_in_turns(model, batch, parts, group, repeats)
+    else:
+        units = profile_layers(model, batch, parts=parts, repeats=repeats)
     seconds = agree_costs([u.seconds for u in units], group)
     # 2 %: below the run-to-run noise of a profile, moving a layer is as likely to hurt as to help.
     plan = partition(seconds, num_stages, rtol=0.02)
@@ -387,33 +418,41 @@ def measure_stage_seconds(pipe, batch: dict, group, repeats: int = 5, warmup: in
     """Forward+backward time of every stage of a built ``PipelineModel`` on ``batch`` (one micro-batch).
 
     The pp ranks take turns (a barrier over the world between turns), so no two stages compete for the
-    same cores: on a shared CPU these are the times each stage would take on a device of its own. Returns
-    the times of all ``pipe.num_stages`` stages, on every rank of the pp ``group``.
+    same cores: on a shared CPU these are the times each stage would take on a device of its own. Turns
+    go round ``warmup + repeats`` times, so a slow spell of the machine hits every stage alike. Returns the
+    median time of each of the ``pipe.num_stages`` stages, on every rank of the pp ``group``; leaves the
+    stages' gradients at None.
     """
     device = pipe.device
     cfg = pipe.config.get_text_config()
     ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
-    mine: dict[int, float] = {}
-    for turn in range(dist.get_world_size(group)):
-        dist.barrier()
-        if dist.get_rank(group) != turn:
-            continue
-        for stage, spec in zip(pipe.stages, pipe.specs):
-            dtype = next(stage.parameters()).dtype
-            hidden = torch.randn(*ids.shape, cfg.hidden_size, device=device, dtype=dtype)
+    runs = {}
+    for stage, spec in zip(pipe.stages, pipe.specs):
+        hidden = torch.randn(*ids.shape, cfg.hidden_size, device=device, dtype=next(stage.parameters()).dtype)
 
-            def run(stage=stage, spec=spec, hidden=hidden):
-                x = ids if spec.index == 0 else hidden.detach().requires_grad_(True)
-                out = stage(x)
-                if spec.index == pipe.num_stages - 1:
-                    pipe.loss.loss_function(out, labels, cfg.vocab_size).backward()
-                else:
-                    out.backward(torch.ones_like(out))
+        def run(stage=stage, spec=spec, hidden=hidden):
+            x = ids if spec.index == 0 else hidden.detach().requires_grad_(True)
+            out = stage(x)
+            if spec.index == pipe.num_stages - 1:
+                pipe.loss.loss_function(out, labels, cfg.vocab_size).backward()
+            else:
+                out.backward(torch.ones_like(out))
 
-            mine[spec.index] = _time_module(run, device, repeats, warmup)
-        for p in pipe.parameters():
-            p.grad = None
+        runs[spec.index] = run
+    times: dict[int, list[float]] = {i: [] for i in runs}
+    for k in range(warmup + repeats):
+        for turn in range(dist.get_world_size(group)):
+            dist.barrier()  # the world: ranks of other pp groups holding the same stage run together
+            if dist.get_rank(group) != turn:
+                continue
+            for index, run in runs.items():
+                t = _time_rounds([run], device, 1, 0)[0]
+                if k >= warmup:
+                    times[index].append(t)
+    for p in pipe.parameters():
+        p.grad = None
+    mine = {i: statistics.median(ts) for i, ts in times.items()}
     table: list[dict[int, float] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(table, mine, group=group)
     merged = {k: v for part in table for k, v in part.items()}

@@ -26,6 +26,22 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
+class ZeroStandIn(nn.Module):
+    """Stands in for an input module another stage owns (e.g. GPT-2's position embedding).
+
+    Later stages replace the first layer's input anyway; a 0-d zero keeps whatever the model adds it to
+    (``inputs_embeds + wpe(position_ids)``) well-formed without knowing the module's output shape.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        return torch.zeros((), dtype=self.dtype, device=device)
+
+
 def _shallow_copy(module: nn.Module) -> nn.Module:
     """A new module object sharing parameters/children with ``module`` but with its own containers and hooks."""
     new = copy.copy(module)
@@ -62,8 +78,9 @@ def build_skeleton(model: nn.Module, parts: ModelParts, spec: StageSpec, num_sta
         if i not in owned:
             layers._modules[str(i)] = PassThrough()
     if spec.index != 0:
+        dtype = next(model.parameters()).dtype
         for fqn in parts.pre:
-            _replace(skeleton, fqn, nn.Identity())
+            _replace(skeleton, fqn, ZeroStandIn(dtype))
     if spec.index != num_stages - 1:
         for fqn in parts.post:
             _replace(skeleton, fqn, nn.Identity())

@@ -24,7 +24,7 @@ CLI = [sys.executable, "-m", "nd_parallel.cli"]
 
 
 def _cli(*args, timeout=300):
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([*CLI, *args], check=False, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -68,7 +68,7 @@ def _reference(cfg, dp: int):
 
     samples, _ = build_samples(cfg.base_model, cfg.datasets, cfg.sequence_len)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     sched = get_scheduler(cfg.lr_scheduler, opt, num_warmup_steps=0, num_training_steps=cfg.max_steps)
     glob = cfg.micro_batch_size * dp

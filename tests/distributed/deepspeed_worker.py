@@ -1,0 +1,69 @@
+"""Rank program for the DeepSpeed pipeline parity tests: train every (family, layout) given, write rank 0's results.
+
+Usage (under torchrun, DS_ACCELERATOR=cpu on CPU): deepspeed_worker.py OUT_DIR SPEC_JSON
+SPEC_JSON: {"models": {key: dir}, "runs": [[model key, layout name, {config kwargs}, result name, {data}], ...],
+            "recipe": {...}, "samples": {...}}
+{data}: {"vary_length": true} shortens every other block of 8 samples by 8 tokens (a new activation shape
+every step), {"no_mask": true} drops the attention mask; the test's reference uses the same ``shape_data``.
+"""
+
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+import nd_parallel.plugin as plugin_module
+from nd_parallel import NDParallelPlugin, ParallelismConfig
+from nd_parallel.parity import Recipe, train_layout
+from nd_parallel.pipeline.deepspeed_backend import build_deepspeed_pipeline
+from nd_parallel.toy import make_samples
+
+
+def shape_data(samples: list[dict], vary_length: bool = False, no_mask: bool = False) -> list[dict]:
+    shaped = []
+    for i, sample in enumerate(samples):
+        cut = sample["input_ids"].shape[0] - 8 if vary_length and (i // 8) % 2 else None
+        shaped.append({k: v[:cut] for k, v in sample.items() if not (no_mask and k == "attention_mask")})
+    return shaped
+
+
+def attach(accelerator, config: ParallelismConfig) -> NDParallelPlugin:
+    try:
+        return NDParallelPlugin(config).attach(accelerator)
+    except NotImplementedError as err:
+        if "pp_backend" not in str(err):
+            raise
+    # This plugin version refuses pp_backend='deepspeed' at attach and builds every pipeline with the torch
+    # backend: attach under the torch backend, then route the pipeline build to DeepSpeed. Remove once
+    # plugin.attach dispatches on pp_backend.
+    plugin = NDParallelPlugin(dataclasses.replace(config, pp_backend="torch")).attach(accelerator)
+    plugin.config = config.resolve(accelerator.num_processes)
+    plugin_module.build_pipeline = build_deepspeed_pipeline
+    return plugin
+
+
+def main(out_dir: str, spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    recipe = Recipe(**spec["recipe"])
+    samples = make_samples(**spec["samples"])
+    for model_key, _, layout, result_name, data in spec["runs"]:
+        start = time.perf_counter()
+        accelerator = Accelerator()
+        plugin = attach(accelerator, ParallelismConfig(**layout))
+        result = train_layout(accelerator, plugin, spec["models"][model_key], shape_data(samples, **data), recipe)
+        every_rank = [None] * dist.get_world_size()  # the loss must be the same number on every rank
+        dist.all_gather_object(every_rank, result.losses)
+        if dist.get_rank() == 0:
+            spread = max(abs(a - b) for losses in every_rank for a, b in zip(losses, result.losses))
+            torch.save({"losses": result.losses, "norms": result.norms, "state": result.state,
+                        "rank_spread": spread, "seconds": time.perf_counter() - start},
+                       f"{out_dir}/{result_name}.pt")
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
