@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["nd_parallel", "nd_parallel.*", "plugins", "plugins.*"]),
     install_requires=[
-        "torch>=2.9,<2.15",
+        "torch>=2.9,<2.15"  # tested with 2.13,
         "transformers>=5.16,<5.25",
         "accelerate>=1.13,<1.16",
         "safetensors>=0.4",
@@ -17,8 +17,9 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7"],
         "bench": ["matplotlib>=3.7"],
+        "deepspeed": ["deepspeed>=0.19.8,<0.20"],
     },
     entry_points={"console_scripts": ["nd-parallel=nd_parallel.cli:main"]},
 )

@@ -95,10 +95,10 @@ class NDParallelPlugin:
             raise NotImplementedError(
                 f"cp_size={c.cp_size}: context parallelism is not available in this version; use cp_size=1"
             )
-        if c.pp_size > 1 and c.pp_backend != "torch":
-            raise NotImplementedError(
-                f"pp_backend='{c.pp_backend}' is not available in this version; use pp_backend='torch'"
-            )
+        if c.pp_size > 1 and c.pp_backend == "deepspeed":
+            from .pipeline.deepspeed_backend import require_deepspeed
+
+            require_deepspeed()  # a missing package is reported before the first collective
         self.accelerator = accelerator
         _setup_logging(accelerator.is_main_process)
         self._originals = {

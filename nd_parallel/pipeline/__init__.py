@@ -92,10 +92,18 @@ def validate_pipeline(model: nn.Module, config) -> None:
     counts = None if config.pp_balance == "profile" else layer_counts(config, parts.num_layers)
     split_stages(parts, num_stages, counts)
     check_microbatches(config.pp_schedule, config.pp_size, config.microbatches)
+    if config.pp_backend == "deepspeed":
+        from .deepspeed_backend import check_model  # optional dependency: imported on use
+
+        check_model(model)
 
 
 def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> PipelineModel:
     """Split ``model`` into this rank's stages, apply TP and FSDP per stage, and wrap them for the loop."""
+    if config.pp_backend == "deepspeed":
+        from .deepspeed_backend import build_deepspeed_pipeline  # optional dependency: imported on use
+
+        return build_deepspeed_pipeline(model, mesh, config, device)
     parts = model_parts(model)
     num_stages = config.pp_size * config.pp_virtual_stages
     specs = split_stages(parts, num_stages, layer_counts(config, parts.num_layers))

@@ -67,9 +67,6 @@ class _Source:
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def get(self, fqn: str) -> nn.Module:
-        return self.model.get_submodule(fqn)
-
 
 class LayerInputs:
     """What the model's own forward hands each decoder layer (masks, rotary embeddings, positions).
@@ -107,9 +104,6 @@ class LayerInputs:
         with torch.no_grad():
             self._run(side, inputs_embeds=torch.zeros_like(hidden))
 
-    def clear(self) -> None:
-        self.calls = {}
-
 
 def _outer_post(parts: ModelParts) -> list[str]:
     """Modules after the layers that belong to the CausalLM itself (lm_head), not to the base model (norm)."""
@@ -131,7 +125,7 @@ class EmbeddingLayer(nn.Module):
 
     def __init__(self, source: _Source, parts: ModelParts, inputs: LayerInputs):
         super().__init__()
-        self.pre = nn.ModuleList(source.get(fqn) for fqn in parts.pre)
+        self.pre = nn.ModuleList(source.model.get_submodule(f) for f in parts.pre)
         self.inputs = inputs  # not a module: shared by the stage's layers
 
     def forward(self, x):
@@ -144,7 +138,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, source: _Source, parts: ModelParts, index: int, inputs: LayerInputs, first_in_stage: bool):
         super().__init__()
-        self.layer = source.get(f"{parts.layers_fqn}.{index}")
+        self.layer = source.model.get_submodule(f"{parts.layers_fqn}.{index}")
         self.index, self.inputs, self.first_in_stage = index, inputs, first_in_stage
 
     def forward(self, x):
@@ -174,8 +168,8 @@ class HeadLayer(nn.Module):
         base_fqn = parts.layers_fqn.rpartition(".")[0]
         outer = _outer_post(parts)
         # HF base models end with `hidden = self.norm(hidden)`: their modules after the layers run in order.
-        self.trailing = nn.ModuleList(source.get(f) for f in parts.post if f not in outer)
-        self.outer = nn.ModuleList(source.get(f) for f in outer)
+        self.trailing = nn.ModuleList(source.model.get_submodule(f) for f in parts.post if f not in outer)
+        self.outer = nn.ModuleList(source.model.get_submodule(f) for f in outer)
         skeleton = build_skeleton(source.model, parts, StageSpec(index=1, layers=[]), num_stages=2)
         parent_fqn, _, name = base_fqn.rpartition(".")
         # The path to the layers is a private copy in the skeleton, so this does not touch the model.
@@ -195,6 +189,29 @@ def _is_tied(model: nn.Module) -> bool:
     return head is not None and emb is not None and head.weight is emb.weight
 
 
+def _tied_paths(model: nn.Module, parts: ModelParts) -> tuple[str | None, str | None]:
+    """Where a tied embedding / lm_head weight sits in the embedding and in the head layer (None: untied)."""
+    if not _is_tied(model):
+        return None, None
+    shared = model.get_input_embeddings().weight
+    paths = (_param_path([model.get_submodule(f) for f in parts.pre], "pre", shared),
+             _param_path([model.get_submodule(f) for f in _outer_post(parts)], "outer", shared))
+    if None in paths:
+        raise NotImplementedError(
+            f"{type(model).__name__} ties its input and output embeddings, but they are not among the modules "
+            f"before ({list(parts.pre)}) and after ({list(parts.post)}) the layers; use pp_backend='torch'")
+    return paths
+
+
+def check_model(model: nn.Module) -> None:
+    """What the DeepSpeed conversion needs beyond the shared split checks (no process group needed)."""
+    parts = model_parts(model)
+    if "." not in parts.layers_fqn:
+        raise NotImplementedError(f"{type(model).__name__} holds its decoder layers directly, without a base "
+                                  "model; pp_backend='deepspeed' needs the usual CausalLM(base model, lm_head) shape")
+    _tied_paths(model, parts)
+
+
 @dataclass
 class LayerPlan:
     """One pipeline layer: the class and arguments that build it, and the path of a tied weight inside it."""
@@ -212,15 +229,7 @@ def plan_layers(source: _Source, parts: ModelParts, counts: list[int], inputs: L
     firsts = {sum(counts[:s]) for s in range(1, len(counts)) if counts[s]}  # first layer of stages > 0
     decoders = [LayerPlan(DecoderLayer, (source, parts, i, inputs, i in firsts)) for i in range(parts.num_layers)]
     embed, head = LayerPlan(EmbeddingLayer, (source, parts, inputs)), LayerPlan(HeadLayer, (source, parts))
-    model = source.model
-    if _is_tied(model):
-        shared = model.get_input_embeddings().weight
-        embed.tied_attr = _param_path([model.get_submodule(f) for f in parts.pre], "pre", shared)
-        head.tied_attr = _param_path([model.get_submodule(f) for f in _outer_post(parts)], "outer", shared)
-        if embed.tied_attr is None or head.tied_attr is None:
-            raise NotImplementedError(
-                f"{type(model).__name__} ties its input and output embeddings, but they are not among the modules "
-                f"before ({list(parts.pre)}) and after ({list(parts.post)}) the layers; use pp_backend='torch'")
+    embed.tied_attr, head.tied_attr = _tied_paths(source.model, parts)
     return [embed, *decoders, head]
 
 
@@ -407,7 +416,7 @@ class DeepSpeedPipelineModel(nn.Module):
         try:
             self.engine.train_batch(data_iter=self._micro_batches(input_ids, list(named.values()), labels))
         finally:
-            self.inputs.clear()
+            self.inputs.calls = {}  # the masks of the last micro-batch are not needed until the next step
         return CausalLMOutputWithPast(loss=self._global_loss())
 
     def _global_loss(self) -> torch.Tensor:
@@ -452,6 +461,17 @@ def _check_same_parameters(pipe: nn.Module, skeleton: nn.Module) -> None:
                            f"{extra[:5]}, only HF {missing[:5]}")
 
 
+def _skip_shm_kernel_build(device: torch.device) -> None:
+    """On CPU, DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce kernel (minutes on a small
+    machine) that only its inference all-reduce path uses; pipeline training never calls it. Marking the op
+    unavailable makes DeepSpeed skip the build and use torch.distributed, exactly as when it cannot compile."""
+    if device.type != "cpu":
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_deepspeed_pipeline(model: nn.Module, mesh, config, device: torch.device) -> DeepSpeedPipelineModel:
     """Convert ``model`` into this rank's stage of a DeepSpeed PipelineModule and wrap it for the loop."""
     deepspeed = require_deepspeed()
@@ -462,14 +482,13 @@ def build_deepspeed_pipeline(model: nn.Module, mesh, config, device: torch.devic
         raise NotImplementedError(f"pp_backend='deepspeed' supports pipeline x dp_replicate only, got {inner}; "
                                   "use pp_backend='torch' for sharding, tensor or context parallelism")
     _check_device(device)
+    check_model(model)
     parts = model_parts(model)
-    if "." not in parts.layers_fqn:
-        raise NotImplementedError(f"{type(model).__name__} holds its decoder layers directly, without a base "
-                                  "model; pp_backend='deepspeed' needs the usual CausalLM(base model, lm_head) shape")
     pp, dp, microbatches = config.pp_size, mesh.size("dp_replicate"), config.microbatches
     specs = split_stages(parts, pp, layer_counts(config, parts.num_layers))
     counts = [len(s.layers) for s in specs]
     pp_rank = mesh.local_rank("pp")
+    _skip_shm_kernel_build(device)
     deepspeed.init_distributed(dist_backend=backend_for(device.type), dist_init_required=False)
 
     from deepspeed.runtime.pipe.schedule import OptimizerStep

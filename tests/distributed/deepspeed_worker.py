@@ -3,11 +3,11 @@
 Usage (under torchrun, DS_ACCELERATOR=cpu on CPU): deepspeed_worker.py OUT_DIR SPEC_JSON
 SPEC_JSON: {"models": {key: dir}, "runs": [[model key, layout name, {config kwargs}, result name, {data}], ...],
             "recipe": {...}, "samples": {...}}
-{data}: {"vary_length": true} shortens every other block of 8 samples by 8 tokens (a new activation shape
-every step), {"no_mask": true} drops the attention mask; the test's reference uses the same ``shape_data``.
+{data}: {"vary_length": true} shortens every other block of 8 samples by 8 tokens (the activation shape
+changes between steps), {"no_mask": true} drops the attention mask; the test's reference uses the same
+``shape_data``.
 """
 
-import dataclasses
 import json
 import sys
 import time
@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-import nd_parallel.plugin as plugin_module
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 from nd_parallel.parity import Recipe, train_layout
-from nd_parallel.pipeline.deepspeed_backend import build_deepspeed_pipeline
 from nd_parallel.toy import make_samples
 
 
@@ -31,21 +29,6 @@ def shape_data(samples: list[dict], vary_length: bool = False, no_mask: bool = F
     return shaped
 
 
-def attach(accelerator, config: ParallelismConfig) -> NDParallelPlugin:
-    try:
-        return NDParallelPlugin(config).attach(accelerator)
-    except NotImplementedError as err:
-        if "pp_backend" not in str(err):
-            raise
-    # This plugin version refuses pp_backend='deepspeed' at attach and builds every pipeline with the torch
-    # backend: attach under the torch backend, then route the pipeline build to DeepSpeed. Remove once
-    # plugin.attach dispatches on pp_backend.
-    plugin = NDParallelPlugin(dataclasses.replace(config, pp_backend="torch")).attach(accelerator)
-    plugin.config = config.resolve(accelerator.num_processes)
-    plugin_module.build_pipeline = build_deepspeed_pipeline
-    return plugin
-
-
 def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     recipe = Recipe(**spec["recipe"])
@@ -53,7 +36,7 @@ def main(out_dir: str, spec_path: str) -> None:
     for model_key, _, layout, result_name, data in spec["runs"]:
         start = time.perf_counter()
         accelerator = Accelerator()
-        plugin = attach(accelerator, ParallelismConfig(**layout))
+        plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
         result = train_layout(accelerator, plugin, spec["models"][model_key], shape_data(samples, **data), recipe)
         every_rank = [None] * dist.get_world_size()  # the loss must be the same number on every rank
         dist.all_gather_object(every_rank, result.losses)

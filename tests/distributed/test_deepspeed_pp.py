@@ -4,8 +4,9 @@
   logits and gradients, bit for bit, whatever the stage boundaries (eager and sdpa, with and without mask).
 * Parity, one torchrun launch per world size (DS_ACCELERATOR=cpu on CPU): loss per step, global gradient
   norm per step and every parameter after 5 AdamW steps against a single process on the same global batches.
-  Measured: loss and norm within ~2e-7 relative, parameters within ~5e-7 (sum order only); asserted at the
-  parity matrix's tolerances.
+  Measured on CPU: loss within 9.3e-8 relative, gradient norm within 2.3e-7, parameters within 4.2e-7
+  absolute; the differences come only from summing micro-batch gradients in a different order. Asserted with
+  ~5x margin on CPU (loss/norm rtol 1e-6, params atol 2e-6), at the parity matrix's 1e-5 on GPUs.
 * A missing deepspeed gives an error that says what to install.
 """
 
@@ -22,8 +23,9 @@ from nd_parallel.toy import make_samples
 
 WORKER = "tests/distributed/deepspeed_worker.py"
 SAMPLES = dict(n=48, seq_len=24)
-LOSS_RTOL = NORM_RTOL = 1e-5
-PARAM_ATOL = 1e-5
+ON_GPU = torch.cuda.is_available()
+LOSS_RTOL = NORM_RTOL = 1e-5 if ON_GPU else 1e-6
+PARAM_ATOL = 1e-5 if ON_GPU else 2e-6
 DS = dict(pp_backend="deepspeed")
 
 
@@ -43,7 +45,7 @@ def L(data=None, **config):
 LAUNCHES = {
     "2r": (2, 4, {
         "pp2_m4": L(pp_size=2, pp_microbatches=4),
-        # split 1+3, a new sequence length every step, no attention mask (bare-tensor activations)
+        # split 1+3, sequence length changing between steps, no attention mask (bare-tensor activations)
         "pp2_1+3_varlen_nomask": L(dict(vary_length=True, no_mask=True), pp_size=2, pp_balance=[1, 3]),
     }, ["llama", "qwen3", "gemma"]),
     "4r": (4, 4, {
@@ -105,10 +107,12 @@ def test_pipeline_layers_reproduce_the_model(family, model_dirs):
             plans = plan_layers(_Source(model), parts, counts, inputs)
             assert all(bool(p.tied_attr) == model.config.tie_word_embeddings for p in (plans[0], plans[-1]))
             layers = [p.build() for p in plans]
-            for side in ((), (batch["attention_mask"],)):
-                inputs.fields = ("attention_mask",) if side else ()
+            positions = torch.arange(24).expand(4, 24)
+            for named in ({}, {"attention_mask": batch["attention_mask"]},
+                          {"attention_mask": batch["attention_mask"], "position_ids": positions}):
+                inputs.fields, side = tuple(named), tuple(named.values())
                 model.zero_grad()
-                want = model(input_ids=batch["input_ids"], attention_mask=side[0] if side else None).logits
+                want = model(input_ids=batch["input_ids"], **named).logits
                 want.square().mean().backward()
                 want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
                 model.zero_grad()
@@ -116,7 +120,7 @@ def test_pipeline_layers_reproduce_the_model(family, model_dirs):
                 for layer in layers:
                     x = layer(x)
                 x.square().mean().backward()
-                assert torch.equal(x, want), (attn, counts, side)
+                assert torch.equal(x, want), (attn, counts, list(named))
                 for name, p in model.named_parameters():
                     assert torch.equal(p.grad, want_grads[name]), (attn, counts, name)
 
@@ -145,7 +149,7 @@ def runs(deepspeed_available, model_dirs, tmp_path_factory):
                 "samples": SAMPLES,
             }
             (out / "spec.json").write_text(json.dumps(spec))
-            env = {} if torch.cuda.is_available() else {"DS_ACCELERATOR": "cpu"}
+            env = {} if ON_GPU else {"DS_ACCELERATOR": "cpu"}
             launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True, env=env)
             done[name] = out
         return done[name]
