@@ -168,43 +168,47 @@ def _detach(value, needs_grad: bool):
     return value
 
 
-class _InputCapture:
-    """Forward pre-hooks that keep a detached copy of each module's inputs during one forward."""
+def _capture_inputs(model: nn.Module, fqns: list[str], batch: dict) -> tuple[dict, torch.Tensor]:
+    """One no-grad forward of ``model``: the (args, kwargs) each module in ``fqns`` was called with, and the logits."""
+    inputs: dict[str, tuple[tuple, dict]] = {}
 
-    def __init__(self, modules: dict[str, nn.Module]):
-        self.inputs: dict[str, tuple[tuple, dict]] = {}
-        self.handles = [m.register_forward_pre_hook(self._hook(name), with_kwargs=True) for name, m in modules.items()]
+    def hook(name):  # a module called twice keeps its first call
+        return lambda module, args, kwargs: inputs.setdefault(name, (args, kwargs)) and None
 
-    def _hook(self, name: str):
-        def hook(module, args, kwargs):
-            self.inputs.setdefault(name, (args, kwargs))  # a module called twice: keep the first call
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
+    handles = [model.get_submodule(f).register_forward_pre_hook(hook(f), with_kwargs=True) for f in fqns]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                           use_cache=False).logits
+    finally:
+        for h in handles:
             h.remove()
+    return inputs, logits
 
 
-def _saved_bytes(run, param_ptrs: set[int]) -> tuple[int, torch.Tensor]:
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses (DTensor) without a plain storage
+        return None
+
+
+def _saved_bytes(run, param_ptrs: set[int]) -> int:
     """Bytes of the tensors autograd saves for backward while ``run`` executes, parameters left out."""
-    seen: set[int] = set()
+    seen = set(param_ptrs)
     total = 0
 
     def pack(t: torch.Tensor):
         nonlocal total
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-            return t
-        if ptr not in param_ptrs and ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
+        storage = _storage(t)
+        if storage is not None and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = run()
-    return total, out
+        run()
+    return total
 
 
 def _time_rounds(fns: list, device: torch.device, repeats: int, warmup: int) -> list[float]:
@@ -241,12 +245,7 @@ def _module_runner(module: nn.Module, args: tuple, kwargs: dict, param_ptrs: set
             out.backward(torch.ones_like(out))
         return out.detach()
 
-    def activation_bytes() -> int:
-        nbytes, out = _saved_bytes(forward, param_ptrs)
-        del out
-        return nbytes
-
-    return run, activation_bytes
+    return run, lambda: _saved_bytes(forward, param_ptrs)
 
 
 def _loss_runner(model: nn.Module, logits: torch.Tensor, labels: torch.Tensor):
@@ -279,25 +278,18 @@ def profile_layers(model: nn.Module, sample_batch: dict, *, parts: ModelParts | 
     if device.type == "meta":
         raise ValueError("pp_balance='profile' measures the model, but its weights are on the meta device; "
                          "materialize them first, or pass pp_balance as a list of layers per stage")
-    fqns = [f for _, names in units for f in names]
-    capture = _InputCapture({f: model.get_submodule(f) for f in fqns})
     batch = {k: v.to(device) for k, v in sample_batch.items()}
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                           use_cache=False).logits
-    finally:
-        capture.remove()
+    inputs, logits = _capture_inputs(model, [f for _, names in units for f in names], batch)
     params = {id(p): p for p in model.parameters()}
     saved_grads = {k: p.grad for k, p in params.items()}
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params.values()}
+    param_ptrs = {st.data_ptr() for st in map(_storage, params.values()) if st is not None}
     runs, owner, results = [], [], []  # one fwd+bwd runner per module (+ the loss), owner = unit index
     try:
         for index, (name, names) in enumerate(units):
             act, pbytes, seen = 0, 0, set()
             for fqn in names:
                 module = model.get_submodule(fqn)
-                run, activation = _module_runner(module, *capture.inputs[fqn], param_ptrs)
+                run, activation = _module_runner(module, *inputs[fqn], param_ptrs)
                 runs.append(run)
                 owner.append(index)
                 act += activation()
@@ -338,16 +330,11 @@ def agree_costs(costs: list[float], group=None, reduce: str = "median") -> list[
     local = torch.tensor(costs, dtype=torch.float64)
     table = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(table, local, group=group)
-    stacked = torch.stack(table)  # [ranks, units]
-    if reduce == "median":
-        reduced = stacked.median(dim=0).values  # lower median for an even count: still deterministic
-    elif reduce == "max":
-        reduced = stacked.max(dim=0).values
-    elif reduce == "mean":
-        reduced = stacked.mean(dim=0)
-    else:
+    reducers = {"median": lambda t: t.median(dim=0).values,  # the lower median for an even count
+                "max": lambda t: t.max(dim=0).values, "mean": lambda t: t.mean(dim=0)}
+    if reduce not in reducers:
         raise ValueError(f"reduce={reduce!r}; use 'median', 'max' or 'mean'")
-    return reduced.tolist()
+    return reducers[reduce](torch.stack(table)).tolist()  # table: [ranks, units]
 
 
 def check_same_split(counts: list[int], group=None) -> None:
@@ -359,7 +346,7 @@ def check_same_split(counts: list[int], group=None) -> None:
         raise RuntimeError(f"ranks disagree on the pipeline split: {[t.tolist() for t in table]}")
 
 
-def format_ms(values: list[float]) -> str:
+def _ms(values: list[float]) -> str:
     return "[" + ", ".join(f"{1e3 * v:.2f}" for v in values) + "]"
 
 
@@ -394,8 +381,8 @@ def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tu
     check_same_split(plan.counts, group)
     uniform = stage_times(seconds, uniform_layers(parts.num_layers, num_stages))
     logger.info("pp_balance=profile: layers per stage %s, predicted fwd+bwd ms per stage %s (max/mean %.2f); "
-                "uniform %s would be %s (max/mean %.2f)", plan.counts, format_ms(plan.stage_seconds),
-                plan.imbalance, uniform_layers(parts.num_layers, num_stages), format_ms(uniform),
+                "uniform %s would be %s (max/mean %.2f)", plan.counts, _ms(plan.stage_seconds),
+                plan.imbalance, uniform_layers(parts.num_layers, num_stages), _ms(uniform),
                 max(uniform) / (sum(uniform) / len(uniform)))
     return plan, units
 
@@ -403,13 +390,14 @@ def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tu
 def profile_balance(model: nn.Module, mesh, config, sample_shape: tuple[int, int] | None = None) -> list[int]:
     """Layers per stage for ``pp_balance="profile"``: the same list on every rank of ``mesh``.
 
-    The costs are agreed over *every* rank, not only the pp group: each dp/tp/cp replica of a stage must
-    hold the same layers. ``mesh`` spans the whole world (build_mesh checks it), so that is the default group.
+    The costs are agreed over *every* rank of the mesh, not only the pp group: each dp/tp/cp replica of a
+    stage must hold the same layers. The mesh spans the world, so that is the world group.
     """
+    if mesh.world.size() != dist.get_world_size():
+        raise RuntimeError(f"the mesh holds {mesh.world.size()} of {dist.get_world_size()} ranks; pp_balance="
+                           "'profile' agrees over every rank, so the mesh must span the world")
     shape = sample_shape or getattr(config, "pp_profile_shape", None)
-    num_stages = config.pp_size * config.pp_virtual_stages
-    group = dist.group.WORLD if mesh is not None else None
-    plan, _ = profile_plan(model, num_stages, group, shape)
+    plan, _ = profile_plan(model, config.pp_size * config.pp_virtual_stages, dist.group.WORLD, shape)
     return plan.counts
 
 

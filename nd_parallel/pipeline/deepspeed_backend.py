@@ -23,10 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..loss import count_label_tokens
 from ..mesh import backend_for
 from .split import ModelParts, StageSpec, model_parts, split_stages
 from .stage import build_skeleton
+from .step_inputs import check_step_inputs, global_label_tokens
 from .torch_backend import PipelineLoss
 
 logger = logging.getLogger(__name__)
@@ -385,20 +385,8 @@ class DeepSpeedPipelineModel(nn.Module):
             yield ((ids, *rest) if rest else ids), lab
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, **unused):
-        extra = {k for k, v in unused.items() if v is not None}
-        if extra:
-            raise NotImplementedError(f"under pipeline parallelism the model takes input_ids, labels, attention_mask "
-                                      f"and position_ids; got also {sorted(extra)}")
-        if labels is None:
-            raise ValueError("under pipeline parallelism every forward is a training step: pass labels")
-        if input_ids.shape[0] % self.microbatches:
-            raise ValueError(
-                f"the batch of {input_ids.shape[0]} samples per data-parallel rank cannot be split into "
-                f"pp_microbatches={self.microbatches}; use a per-rank batch size that is a multiple of "
-                f"{self.microbatches}")
-        total = count_label_tokens(labels).reshape(())
-        dist.all_reduce(total, group=self.mesh["dp_cp"].get_group())
-        self.loss.start(total.clamp(min=1))  # a batch without label tokens gives loss 0, not 0/0
+        check_step_inputs(input_ids, labels, unused, self.microbatches)
+        self.loss.start(global_label_tokens(labels, self.mesh))
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise NotImplementedError(f"pp_backend='deepspeed' takes a [batch, seq] attention_mask of 0/1 "

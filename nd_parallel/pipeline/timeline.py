@@ -21,7 +21,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,10 +52,12 @@ class Event:
 class TimelineRecorder:
     """Records F/B/W intervals of the stages it instruments, one list per step; gathers them over ``group``."""
 
-    def __init__(self, group, clock=time.perf_counter):
+    def __init__(self, group, clock=time.perf_counter, keep: int | None = None):
         self.group = group
         self.clock = clock
-        self.steps: list[list[tuple]] = []
+        self.steps: deque[list[tuple]] = deque(maxlen=keep)  # the last ``keep`` steps (all by default)
+        self.count = 0  # steps recorded so far
+        self.enabled = True
         self._current: list[tuple] | None = None
         self._instrumented: set[int] = set()
         self._offsets: list[float] | None = None
@@ -104,12 +106,16 @@ class TimelineRecorder:
 
     @contextlib.contextmanager
     def step(self):
-        """Record the intervals of one training step."""
+        """Record the intervals of one training step (nothing while ``enabled`` is False)."""
+        if not self.enabled:
+            yield
+            return
         self._current = []
         try:
             yield
         finally:
             self.steps.append(self._current)
+            self.count += 1
             self._current = None
 
     # -- collectives over the pp group
@@ -136,7 +142,7 @@ class TimelineRecorder:
         return offsets
 
     def gather(self, step: int = -1) -> list[Event] | None:
-        """Collective over the group: every rank's events of ``step`` on the first rank (None elsewhere)."""
+        """Collective over the group: every rank's events of kept step ``step`` (-1: the last) on the first rank."""
         if self._offsets is None:
             self._offsets = self._clock_offsets()
         mine = self.steps[step] if self.steps else []
@@ -166,6 +172,8 @@ def attach(pipe, recorder: TimelineRecorder, out_dir: str | Path | None = None, 
     ``predicted`` (per-stage seconds from ``pp_balance="profile"``), the measured per-stage times are logged
     next to them.
     """
+    if out_dir is not None and recorder.steps.maxlen is None:
+        recorder.steps = deque(maxlen=1)  # only the step to write is needed
     build, run = pipe._schedule_for, pipe.forward
     p = pipe.mesh.size("pp")
 
@@ -177,7 +185,8 @@ def attach(pipe, recorder: TimelineRecorder, out_dir: str | Path | None = None, 
     def forward(*args, **kwargs):
         with recorder.step():
             out = run(*args, **kwargs)
-        if out_dir is not None and len(recorder.steps) == write_at_step:
+        if out_dir is not None and recorder.enabled and recorder.count == write_at_step:
+            recorder.enabled = False  # one step is the picture; stop paying for the wrappers' bookkeeping
             events = recorder.gather()  # collective over the pp group, same step on every pp rank
             if events is not None and dist.get_rank() == 0:
                 write(events, out_dir, schedule=pipe.schedule_name, p=p, m=pipe.microbatches,
@@ -251,9 +260,57 @@ def analytical_bubble(schedule: str, p: int, m: int, v: int = 1) -> float | None
     return None
 
 
-BUBBLE_NOTE = ("gpipe/1f1b: (p-1)/(m+p-1); interleaved-1f1b: (p-1)/(v*m+p-1); zero-bubble (interleaved-zb, zbv): "
-               "W (weight gradients) fills the drain, so the bubble approaches 0 when t_F ~ t_B ~ t_W and m >= 2p "
-               "(ZB-H1-like schedules keep (p-1)(t_F+t_B-t_W) of idle time per rank)")
+BUBBLE_NOTE = ("gpipe/1f1b: (p-1)/(m+p-1); interleaved-1f1b: (p-1)/(v*m+p-1); zero-bubble schedules (interleaved-zb, "
+               "zbv) have no single formula: W (weight gradients) fills the drain and the bubble tends to 0 as m grows "
+               "when t_F ~ t_B ~ t_W; replay() of the recorded order gives the exact value for given stage times")
+
+
+def replay(events: list[Event], duration) -> list[Event]:
+    """Re-time the recorded action order with ``duration(event)`` seconds each and instant communication.
+
+    Each rank keeps the order it ran its actions in; an action starts when its rank is free and its inputs
+    exist: F(s, i) after F(s-1, i); B(s, i) after F(s, i) and B(s+1, i); W(s, i) after B(s, i). The result
+    is the bubble the *schedule* implies for those compute times, free of launch jitter, communication
+    latency and other load on the machine — with equal stage times, the textbook formulas.
+    """
+    order: dict[int, list[Event]] = defaultdict(list)
+    for e in sorted(events, key=lambda e: e.start):
+        order[e.rank].append(e)
+    last_stage = max(e.stage for e in events)
+    done: dict[tuple, float] = {}
+    out: list[Event] = []
+    pos = {r: 0 for r in order}
+    free = {r: 0.0 for r in order}
+    while len(out) < len(events):
+        progressed = False
+        for rank, row in order.items():
+            while pos[rank] < len(row):
+                e = row[pos[rank]]
+                deps = {"F": [("F", e.stage - 1)] if e.stage > 0 else [],
+                        "B": [("F", e.stage)] + ([("B", e.stage + 1)] if e.stage < last_stage else []),
+                        "W": [("B", e.stage)]}[e.kind]
+                keys = [(k, s, e.mb) for k, s in deps]
+                if any(k not in done for k in keys):
+                    break  # waits for another rank
+                start = max([free[rank]] + [done[k] for k in keys])
+                end = start + duration(e)
+                done[(e.kind, e.stage, e.mb)] = end
+                free[rank] = end
+                out.append(Event(e.rank, e.stage, e.mb, e.kind, start, end))
+                pos[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the recorded order has a cycle or a missing dependency; cannot replay it")
+    return sorted(out, key=lambda e: (e.rank, e.start))
+
+
+def median_durations(events: list[Event]):
+    """``duration`` for ``replay``: the measured median of each (stage, kind)."""
+    by: dict[tuple, list[float]] = defaultdict(list)
+    for e in events:
+        by[(e.stage, e.kind)].append(e.end - e.start)
+    med = {k: sorted(v)[len(v) // 2] for k, v in by.items()}
+    return lambda e: med[(e.stage, e.kind)]
 
 
 def stage_seconds(events: list[Event]) -> dict[int, float]:
@@ -366,7 +423,9 @@ def write(events: list[Event], out_dir: str | Path, *, schedule: str, p: int, m:
             plot(events, out / f"{name}.png", p=p, title=f"{schedule}: p={p}, m={m}, v={v}", bubble_note=note)
         except ImportError as e:
             logger.warning("%s; wrote only %s.json", e, name)
-    logger.info("pipeline timeline written to %s.json/.png: %s", out / name, note)
+    per_stage = ", ".join(f"{1e3 * t:.2f}" for t in stage_seconds(events).values())
+    logger.info("pipeline timeline written to %s.json/.png: %s; per-stage F+B+W per micro-batch [%s] ms",
+                out / name, note, per_stage)
     return summary
 
 

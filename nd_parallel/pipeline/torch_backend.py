@@ -15,9 +15,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..loss import count_label_tokens
-from .schedules import SCHEDULES, check_microbatches
+from .schedules import SCHEDULES
 from .split import StageSpec
+from .step_inputs import check_step_inputs, global_label_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -77,16 +77,8 @@ class PipelineModel(nn.Module):
         return self._schedules[shape]
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, **unused):
-        extra = {k for k, v in unused.items() if v is not None}
-        if extra:
-            raise NotImplementedError(f"under pipeline parallelism the model takes input_ids, labels, attention_mask "
-                                      f"and position_ids; got also {sorted(extra)}")
-        if labels is None:
-            raise ValueError("under pipeline parallelism every forward is a training step: pass labels")
-        check_microbatches(self.schedule_name, self.mesh.size("pp"), self.microbatches, input_ids.shape[0])
-        total = count_label_tokens(labels).reshape(())
-        dist.all_reduce(total, group=self.mesh["dp_cp"].get_group())
-        self.loss.total_tokens = total.clamp(min=1)
+        check_step_inputs(input_ids, labels, unused, self.microbatches)
+        self.loss.total_tokens = global_label_tokens(labels, self.mesh)
         side = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []

@@ -1,0 +1,28 @@
+"""What every pipeline backend checks and counts at the start of a training step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..loss import count_label_tokens
+
+
+def check_step_inputs(input_ids: torch.Tensor, labels, unused: dict, microbatches: int) -> None:
+    extra = {k for k, v in unused.items() if v is not None}
+    if extra:
+        raise NotImplementedError(f"under pipeline parallelism the model takes input_ids, labels, attention_mask "
+                                  f"and position_ids; got also {sorted(extra)}")
+    if labels is None:
+        raise ValueError("under pipeline parallelism every forward is a training step: pass labels")
+    if input_ids.shape[0] % microbatches:
+        raise ValueError(
+            f"the batch of {input_ids.shape[0]} samples per data-parallel rank cannot be split into "
+            f"pp_microbatches={microbatches}; use a per-rank batch size that is a multiple of {microbatches}")
+
+
+def global_label_tokens(labels: torch.Tensor, mesh) -> torch.Tensor:
+    """Label tokens of the whole global batch (every micro-batch, dp and cp rank); at least 1."""
+    total = count_label_tokens(labels).reshape(())
+    dist.all_reduce(total, group=mesh["dp_cp"].get_group())
+    return total.clamp(min=1)
