@@ -219,9 +219,14 @@ def _loss_lines(losses: list[float], per_line: int = 10) -> list[str]:
 
 
 def _memory_lines(ranks: list[dict], unsharded: int) -> list[str]:
-    return [f"rank {r}: {_bytes(b['params'])} params + {_bytes(b['optimizer'])} AdamW = "
-            f"{_bytes(b['params'] + b['optimizer'])} ({100 * (b['params'] + b['optimizer']) / unsharded:.1f}% of "
-            "unsharded)" for r, b in enumerate(info["bytes"] for info in ranks)]
+    """One line per rank; the share of one unsharded process when that is known (0: no safetensors)."""
+    lines = []
+    for r, b in enumerate(info["bytes"] for info in ranks):
+        total = b["params"] + b["optimizer"]
+        share = f" ({100 * total / unsharded:.1f}% of unsharded)" if unsharded else ""
+        lines.append(f"rank {r}: {_bytes(b['params'])} params + {_bytes(b['optimizer'])} AdamW = {_bytes(total)}"
+                     + share)
+    return lines
 
 
 def _table(title: str, rows: list[tuple[str, str | list[str]]]) -> str:
@@ -271,7 +276,7 @@ def cmd_demo(args) -> int:
         ref = train_reference(model_dir, samples, config.dp_size, recipe)
         diff = compare(ref, RunResult(results["losses"], results["norms"], results["state"]))
         referenced = time.perf_counter() - start - trained
-    n_params = checkpoint_numel(model_dir)
+        n_params = checkpoint_numel(model_dir)
     unsharded = 3 * 4 * n_params  # fp32 parameters + the two AdamW moments
     where = results["ranks"][0]["device"].split(":")[0]
     rows = [

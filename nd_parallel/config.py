@@ -42,6 +42,7 @@ _NEUTRAL = {
     "tp_size": "tp_size=1 to disable tensor parallelism",
     "pp_virtual_stages": "pp_virtual_stages=1 for one pipeline stage per rank",
     "pp_microbatches": "pp_microbatches=None for one micro-batch per pipeline stage",
+    "pp_timeline_step": "pp_timeline_step=3 (the third step)",
 }
 _ENV_PREFIX = "PARALLELISM_CONFIG_"
 _ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "pp_microbatches", "pp_virtual_stages")}
@@ -87,6 +88,12 @@ class ParallelismConfig:
     """Pipeline engine. Default "torch" (torch.distributed.pipelining); or "deepspeed"."""
     pp_balance: str | list[int] = "uniform"
     """Layers per stage: "uniform" (default), "profile", or a list of pp_size*pp_virtual_stages."""
+    pp_profile_shape: tuple[int, int] | None = None
+    """(micro-batch size, sequence length) pp_balance="profile" measures. Default None = (1, min(max positions, 512))."""
+    pp_timeline: str | None = None
+    """Directory for one step's pipeline timeline (timeline.json for Perfetto, timeline.png). Default None = off."""
+    pp_timeline_step: int = 3
+    """The step (1-based) that pp_timeline records; the first ones pay for start-up. Default 3; >= 1."""
     cp_backend: str = "ring"
     """Context-parallel attention: "ring" (default), "ulysses" (all-to-all), "torch" (CUDA only)."""
     cp_load_balance: bool = True
@@ -98,6 +105,11 @@ class ParallelismConfig:
         if self.pp_microbatches is not None:
             self.pp_microbatches = _check_count("pp_microbatches", self.pp_microbatches)
         self.pp_virtual_stages = _check_count("pp_virtual_stages", self.pp_virtual_stages)
+        self.pp_timeline_step = _check_count("pp_timeline_step", self.pp_timeline_step)
+        self.pp_profile_shape = _check_shape(self.pp_profile_shape)
+        if self.pp_timeline is not None and not isinstance(self.pp_timeline, str):
+            raise ConfigTypeError(f"pp_timeline={self.pp_timeline!r} is {_kind(self.pp_timeline)}; give a directory "
+                                  "path such as pp_timeline='runs/timeline', or None")
         self.tp_plan = _check_tp_plan(self.tp_plan)
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         _check_choice("pp_backend", self.pp_backend, PP_BACKENDS)
@@ -336,6 +348,16 @@ def _check_count(name: str, value: Any) -> int:
         also = " or -1" if name == "dp_shard_size" else ""
         raise ConfigError(f"{name}={value} must be a positive integer{also}; use {_NEUTRAL[name]}")
     return value
+
+
+def _check_shape(shape: Any) -> tuple[int, int] | None:
+    """None, or (micro-batch size, sequence length) as two positive integers."""
+    if shape is None:
+        return None
+    if not isinstance(shape, (list, tuple)) or len(shape) != 2 or not all(_is_int(v) and v >= 1 for v in shape):
+        raise ConfigError(f"pp_profile_shape={shape!r} must be two positive integers (micro-batch size, sequence "
+                          "length), for example pp_profile_shape=(1, 512)")
+    return (int(shape[0]), int(shape[1]))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -21,6 +21,17 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    """End torchrun and every rank. Each rank leads its own session, so killing torchrun's process group misses
+    them; torchrun's agent, sent SIGTERM, stops its ranks itself. SIGKILL if it does not in time."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 600, env: dict | None = None,
            capture: bool = False) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` local ranks (gloo on CPU: one thread per rank); raise on failure or timeout."""
@@ -35,9 +46,12 @@ def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 6
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
         out, _ = proc.communicate()
         raise TimeoutError(f"{nprocs} ranks of {script} did not finish within {timeout:.0f}s\n{out or ''}")
+    except BaseException:  # e.g. Ctrl-C: the ranks run in their own session, so the terminal's SIGINT misses them
+        _stop(proc)
+        raise
     if proc.returncode != 0:
         raise RuntimeError(f"{nprocs} ranks of {script} failed with exit code {proc.returncode}\n{out or ''}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

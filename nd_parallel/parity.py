@@ -31,6 +31,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     norms: list[float] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: torch.optim.Optimizer | None = None  # train_layout's prepared optimizer: what this rank holds
 
 
 def _optimizer_and_schedule(model, recipe: Recipe):
@@ -86,6 +87,7 @@ def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progre
         if progress is not None:
             progress(step, out.loss.item())
     result.state = accelerator.get_state_dict(model)
+    result.optimizer = opt
     return result
 
 

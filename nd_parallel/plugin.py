@@ -74,6 +74,18 @@ class NDParallelPlugin:
         self._param_map: dict[int, list[nn.Parameter]] = {}
         self._models: list[nn.Module] = []
 
+    @classmethod
+    def from_env(cls, environ=None) -> "NDParallelPlugin":
+        """The layout `accelerate launch` passed (PARALLELISM_CONFIG_*), taken over from Accelerate.
+
+        Call it before ``Accelerator()``: it also adjusts the launcher's variables so that Accelerate neither
+        builds its own mesh nor ignores CPU ranks (see ``nd_parallel.train.adopt_launcher_env``).
+        """
+        from .train import adopt_launcher_env
+
+        adopt_launcher_env(environ)
+        return cls(ParallelismConfig.from_env(environ))
+
     # ------------------------------------------------------------------ attach
     def attach(self, accelerator) -> "NDParallelPlugin":
         """Validate the layout against the accelerator (no collective yet) and take over its prepare path."""
@@ -185,11 +197,12 @@ class NDParallelPlugin:
         # two: a tied weight whose copies both live here).
         after = dict(model.named_parameters(remove_duplicate=False))
         for name, old in before.items():
-            if name in after:
-                for key in (id(old), id(moved[name])):
-                    targets = self._param_map.setdefault(key, [])
-                    if all(t is not after[name] for t in targets):
-                        targets.append(after[name])
+            for key in (id(old), id(moved[name])):
+                # Absent from `after`: another stage owns it. The empty entry drops it from the optimizer, which
+                # would otherwise keep this rank's copy of the whole unsharded model alive.
+                targets = self._param_map.setdefault(key, [])
+                if name in after and all(t is not after[name] for t in targets):
+                    targets.append(after[name])
         self._models.append(model)
         self.accelerator._models.append(model)
         return model

@@ -180,9 +180,11 @@ def train_steps(accelerator, model, optimizer, scheduler, loader, *, steps: int,
         # This rank's label tokens over the whole step. The model's loss hook adds the other data-parallel ranks'
         # counts, so each micro-step's loss is its share of the step's global-token mean.
         local = sum(int(count_label_tokens(mb["labels"])) for mb in micro)
+        # With one micro-batch the model's own count is the same; a pipeline counts its own and refuses it.
+        extra = {"num_items_in_batch": local} if accumulation > 1 else {}
         total = 0.0
         for mb in micro:
-            loss = model(**mb, num_items_in_batch=local).loss
+            loss = model(**mb, **extra).loss
             if not getattr(loss, "_nd_parallel_backward_done", False):  # a pipeline schedule ran it already
                 loss.backward()  # not accelerator.backward: it may divide by the accumulation steps a second time
             total += loss.item()
@@ -272,8 +274,7 @@ def _demo(accelerator, plugin, job, samples, bar):
         bar.update()
 
     result = train_layout(accelerator, plugin, job["model_dir"], samples, Recipe(**job["recipe"]), progress)
-    # train_layout keeps its optimizer to itself; prepare() registered it with the accelerator.
-    return result.losses, result.norms, result.state, accelerator._optimizers[-1]
+    return result.losses, result.norms, result.state, result.optimizer
 
 
 def _train(accelerator, plugin, job, samples, bar):

@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 class TiedWeights:
     """Keeps a tied embedding / lm_head pair equal when the two live in different stages.
 
-    The stages hold separate copies; after every backward each copy's gradient is replaced by the sum of
-    both (what a single shared parameter would receive), so identical AdamW updates keep them identical.
+    The stages hold separate copies; after every schedule step each copy's gradient receives what the other
+    copy's step added (together: what a single shared parameter would receive), so identical AdamW updates
+    keep them identical.
     """
 
     def __init__(self, embed: nn.Parameter | None, head: nn.Parameter | None, group):
@@ -45,16 +46,34 @@ class TiedWeights:
         if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
+    def snapshot(self) -> None:
+        """Remember the (already equal) gradients before a step, so only what the step adds is exchanged:
+        with gradient accumulation, summing the whole accumulated gradient again would count earlier
+        micro-batches twice."""
+        held = [p for p in (self.embed, self.head) if p is not None]
+        for p in held:
+            if p.grad is not None:
+                self._match_placement(p)
+        self._before = {id(p): (self._local(p.grad).clone() if p.grad is not None else None) for p in held}
+
     def sync_grads(self) -> None:
         held = [p for p in (self.embed, self.head) if p is not None]
         for p in held:
             self._match_placement(p)
+        added = []
+        for p in held:
+            before = getattr(self, "_before", {}).get(id(p))
+            grad = self._local(p.grad)
+            added.append(grad - before if before is not None else grad.clone())
         if len(held) == 2:  # both copies on this rank (V-shaped schedules): add locally
-            total = self._local(self.embed.grad) + self._local(self.head.grad)
-            self._local(self.embed.grad).copy_(total)
-            self._local(self.head.grad).copy_(total)
+            total = added[0] + added[1]
         elif held and self.group is not None:
-            dist.all_reduce(self._local(held[0].grad), group=self.group)
+            total = added[0].clone()  # all_reduce works in place; `added` must keep this copy's own increment
+            dist.all_reduce(total, group=self.group)
+        else:
+            return
+        for p, own in zip(held, added):
+            self._local(p.grad).add_(total - own)  # before + own + other's increment
 
 
 def _tied_group(mesh, first_pp: int, last_pp: int):
@@ -77,11 +96,14 @@ def _untie(model: nn.Module) -> bool:
     return True
 
 
-def layer_counts(config, num_layers: int) -> list[int] | None:
+def layer_counts(config, num_layers: int, model: nn.Module | None = None, mesh=None) -> list[int] | None:
+    """Layers per stage: the explicit list, a profile of ``model`` (a collective over ``mesh``), or None = uniform."""
     if isinstance(config.pp_balance, (list, tuple)):
         return list(config.pp_balance)
     if config.pp_balance == "profile":
-        raise NotImplementedError("pp_balance='profile' is not available yet; use 'uniform' or a list of layers")
+        from .balance import profile_balance  # every rank measures the whole model; all agree on one split
+
+        return profile_balance(model, mesh, config)
     return None
 
 
@@ -106,7 +128,7 @@ def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
         return build_deepspeed_pipeline(model, mesh, config, device)
     parts = model_parts(model)
     num_stages = config.pp_size * config.pp_virtual_stages
-    specs = split_stages(parts, num_stages, layer_counts(config, parts.num_layers))
+    specs = split_stages(parts, num_stages, layer_counts(config, parts.num_layers, model, mesh))
     info = SCHEDULES[config.pp_schedule]
     check_microbatches(config.pp_schedule, config.pp_size, config.microbatches)
     pp_rank = mesh.local_rank("pp")
@@ -133,5 +155,11 @@ def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
     counts = [len(s.layers) for s in specs]
     logger.info("applied PP over %d ranks: %d stages (layers per stage %s), schedule %s, %d micro-batches",
                 config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)
-    return PipelineModel(stages, mine, num_stages, mesh, config.pp_schedule, config.microbatches, device, loss,
+    pipe = PipelineModel(stages, mine, num_stages, mesh, config.pp_schedule, config.microbatches, device, loss,
                          model.config, tied_weights)
+    if config.pp_timeline:
+        from .timeline import TimelineRecorder, attach
+
+        attach(pipe, TimelineRecorder(mesh["pp"].get_group()), out_dir=config.pp_timeline,
+               write_at_step=config.pp_timeline_step)
+    return pipe

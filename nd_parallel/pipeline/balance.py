@@ -362,10 +362,13 @@ def _profile_in_turns(model, batch, parts, group, repeats: int) -> list[UnitCost
 
 
 def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tuple[int, int] | None = None,
-                 repeats: int = 5, take_turns: bool | None = None) -> tuple[BalancePlan, list[UnitCost]]:
+                 repeats: int = 5, take_turns: bool | None = None,
+                 allow_empty_ends: bool = True) -> tuple[BalancePlan, list[UnitCost]]:
     """Profile on every rank of ``group``, agree on the costs, split; every rank returns the same plan.
 
     ``take_turns`` (default: on CPU) makes the ranks profile one at a time; accelerators profile together.
+    ``allow_empty_ends=False`` keeps at least one layer on the first and last stage (for a backend that
+    cannot run a stage of only the embedding or only the head).
     """
     parts = model_parts(model)
     batch = sample_batch(model, sample_shape)
@@ -377,7 +380,7 @@ def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tu
         units = profile_layers(model, batch, parts=parts, repeats=repeats)
     seconds = agree_costs([u.seconds for u in units], group)
     # 2 %: below the run-to-run noise of a profile, moving a layer is as likely to hurt as to help.
-    plan = partition(seconds, num_stages, rtol=0.02)
+    plan = partition(seconds, num_stages, rtol=0.02, allow_empty_ends=allow_empty_ends)
     check_same_split(plan.counts, group)
     uniform = stage_times(seconds, uniform_layers(parts.num_layers, num_stages))
     logger.info("pp_balance=profile: layers per stage %s, predicted fwd+bwd ms per stage %s (max/mean %.2f); "
@@ -387,7 +390,8 @@ def profile_plan(model: nn.Module, num_stages: int, group=None, sample_shape: tu
     return plan, units
 
 
-def profile_balance(model: nn.Module, mesh, config, sample_shape: tuple[int, int] | None = None) -> list[int]:
+def profile_balance(model: nn.Module, mesh, config, sample_shape: tuple[int, int] | None = None,
+                    allow_empty_ends: bool = True) -> list[int]:
     """Layers per stage for ``pp_balance="profile"``: the same list on every rank of ``mesh``.
 
     The costs are agreed over *every* rank of the mesh, not only the pp group: each dp/tp/cp replica of a
@@ -397,7 +401,8 @@ def profile_balance(model: nn.Module, mesh, config, sample_shape: tuple[int, int
         raise RuntimeError(f"the mesh holds {mesh.world.size()} of {dist.get_world_size()} ranks; pp_balance="
                            "'profile' agrees over every rank, so the mesh must span the world")
     shape = sample_shape or getattr(config, "pp_profile_shape", None)
-    plan, _ = profile_plan(model, config.pp_size * config.pp_virtual_stages, dist.group.WORLD, shape)
+    plan, _ = profile_plan(model, config.pp_size * config.pp_virtual_stages, dist.group.WORLD, shape,
+                           allow_empty_ends=allow_empty_ends)
     return plan.counts
 
 

@@ -384,9 +384,10 @@ class DeepSpeedPipelineModel(nn.Module):
         for ids, *rest, lab in zip(*chunks):
             yield ((ids, *rest) if rest else ids), lab
 
-    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, **unused):
+    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
+                **unused):
         check_step_inputs(input_ids, labels, unused, self.microbatches)
-        self.loss.start(global_label_tokens(labels, self.mesh))
+        self.loss.start(global_label_tokens(labels, self.mesh, num_items_in_batch))
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise NotImplementedError(f"pp_backend='deepspeed' takes a [batch, seq] attention_mask of 0/1 "
@@ -473,7 +474,7 @@ def build_deepspeed_pipeline(model: nn.Module, mesh, config, device: torch.devic
     check_model(model)
     parts = model_parts(model)
     pp, dp, microbatches = config.pp_size, mesh.size("dp_replicate"), config.microbatches
-    specs = split_stages(parts, pp, layer_counts(config, parts.num_layers))
+    specs = split_stages(parts, pp, layer_counts(config, parts.num_layers, model, mesh))
     counts = [len(s.layers) for s in specs]
     pp_rank = mesh.local_rank("pp")
     _skip_shm_kernel_build(device)

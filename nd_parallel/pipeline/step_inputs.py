@@ -21,8 +21,13 @@ def check_step_inputs(input_ids: torch.Tensor, labels, unused: dict, microbatche
             f"pp_microbatches={microbatches}; use a per-rank batch size that is a multiple of {microbatches}")
 
 
-def global_label_tokens(labels: torch.Tensor, mesh) -> torch.Tensor:
-    """Label tokens of the whole global batch (every micro-batch, dp and cp rank); at least 1."""
-    total = count_label_tokens(labels).reshape(())
+def global_label_tokens(labels: torch.Tensor, mesh, num_items_in_batch=None) -> torch.Tensor:
+    """Label tokens of the whole global batch (every micro-batch, dp and cp rank); at least 1.
+
+    With gradient accumulation the caller passes this rank's label tokens over every call of the optimizer
+    step (HF's ``num_items_in_batch`` convention), so that each call's loss is its share of the step's mean.
+    """
+    local = count_label_tokens(labels) if num_items_in_batch is None else num_items_in_batch
+    total = torch.as_tensor(local, device=labels.device, dtype=torch.int64).reshape(()).clone()
     dist.all_reduce(total, group=mesh["dp_cp"].get_group())
     return total.clamp(min=1)

@@ -76,14 +76,17 @@ class PipelineModel(nn.Module):
             self._schedules[shape] = info.cls(pipe_stages if info.multi_stage else pipe_stages[0], **kwargs)
         return self._schedules[shape]
 
-    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, **unused):
+    def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
+                **unused):
         check_step_inputs(input_ids, labels, unused, self.microbatches)
-        self.loss.total_tokens = global_label_tokens(labels, self.mesh)
+        self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch)
         side = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
+        if self.tied is not None:
+            self.tied.snapshot()
         schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
         if self.tied is not None:
             self.tied.sync_grads()

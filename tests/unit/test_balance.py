@@ -18,7 +18,7 @@ from nd_parallel.pipeline.balance import (
     sample_batch,
     stage_times,
 )
-from nd_parallel.pipeline.split import check_layer_counts, model_parts, uniform_layers
+from nd_parallel.pipeline.split import check_layer_counts, uniform_layers
 
 
 def brute_force(costs, num_stages, allow_empty_ends=True):

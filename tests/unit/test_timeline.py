@@ -16,6 +16,8 @@ from nd_parallel.pipeline.timeline import (
     chrome_trace,
     compare_stage_times,
     events_from_trace,
+    median_durations,
+    replay,
     stage_seconds,
     summarize,
     write,
@@ -57,6 +59,41 @@ def test_analytical_bubbles():
     assert analytical_bubble("gpipe", 4, 4) == pytest.approx(3 / 7)
     assert analytical_bubble("interleaved-1f1b", 4, 8, v=2) == pytest.approx(3 / 19)
     assert analytical_bubble("zbv", 4, 8, v=2) is None and analytical_bubble("interleaved-zb", 4, 8, 2) is None
+
+
+def one_f_one_b_order(p: int, m: int) -> list[Event]:
+    """torch's 1F1B action order per rank (P - r forwards, B F pairs, the drain), with meaningless times."""
+    events = []
+    for r in range(p):
+        w, f, b = min(m, p - r), 0, 0
+        for t, kind in enumerate("F" * w + "BF" * (m - w) + "B" * w):
+            events.append(Event(r, r, f if kind == "F" else b, kind, 10.0 * t, 10.0 * t + 1))
+            f, b = (f + 1, b) if kind == "F" else (f, b + 1)
+    return events
+
+
+@pytest.mark.parametrize("p, m", [(4, 4), (4, 8), (2, 5), (8, 16)])
+def test_replay_of_1f1b_order_gives_the_textbook_bubble(p, m):
+    out = replay(one_f_one_b_order(p, m), lambda e: 1.0 if e.kind == "F" else 2.0)
+    b = bubble(out, p)
+    assert b.span == pytest.approx((m + p - 1) * 3.0)
+    assert b.mean == pytest.approx(analytical_bubble("1f1b", p, m))
+
+
+def test_replay_removes_jitter_and_keeps_dependencies():
+    ideal = gpipe_events(4, 4, 1.0, 2.0)
+    # the same order, but every event delayed by a different amount (a noisy machine)
+    noisy = [Event(e.rank, e.stage, e.mb, e.kind, e.start * 1.5 + 0.1 * e.mb, e.end * 1.5 + 0.1 * e.mb + 0.3)
+             for e in ideal]
+    assert bubble(noisy, 4).mean != pytest.approx(3 / 7)
+    out = replay(noisy, lambda e: 1.0 if e.kind == "F" else 2.0)
+    assert sorted((e.rank, e.name, e.start, e.end) for e in out) == sorted(
+        (e.rank, e.name, e.start, e.end) for e in ideal)
+    med = median_durations(ideal)
+    assert med(ideal[0]) == 1.0 and med(Event(0, 0, 0, "B", 0, 0)) == 2.0
+    w = [Event(0, 0, 0, "F", 0, 1), Event(0, 0, 0, "W", 1, 2), Event(0, 0, 0, "B", 2, 3)]  # W before its B
+    with pytest.raises(ValueError, match="cannot replay"):
+        replay(w, lambda e: 1.0)
 
 
 def test_chrome_trace_structure_and_round_trip():
@@ -162,9 +199,23 @@ def test_recorder_wraps_stage_methods_and_folds_the_loss_into_f(one_rank_group):
         first.has_backward = False
         first.backward_one_chunk(3)  # eval mode: no B recorded
     assert schedule.loss_stage == 1 and last.calls == [("F", 3), ("B", 3, False), ("W", 3)]
-    assert rec.steps == [[(1, 3, "F", 1.0, 3.0), (1, 3, "B", 4.0, 5.0), (1, 3, "W", 6.0, 7.0)]]
+    assert list(rec.steps) == [[(1, 3, "F", 1.0, 3.0), (1, 3, "B", 4.0, 5.0), (1, 3, "W", 6.0, 7.0)]]
     events = rec.gather()
     assert [(e.name, e.start, e.end) for e in events] == [("F3", 0.0, 2.0), ("B3", 3.0, 4.0), ("W3", 5.0, 6.0)]
+
+
+def test_recorder_keeps_the_last_steps_and_can_be_switched_off():
+    stage = FakeStage(0, True)
+    rec = TimelineRecorder(None, clock=Clock(), keep=2)
+    rec.instrument(FakeSchedule([stage]))
+    for mb in range(3):
+        with rec.step():
+            stage.forward_one_chunk(mb, ())
+    assert rec.count == 3 and [row[0][1] for row in rec.steps] == [1, 2]
+    rec.enabled = False
+    with rec.step():
+        stage.forward_one_chunk(7, ())
+    assert rec.count == 3 and len(stage.calls) == 4  # still runs, no longer recorded
 
 
 def test_instrument_refuses_unknown_schedules():
