@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["nd_parallel", "nd_parallel.*", "plugins", "plugins.*"]),
     install_requires=[
-        "torch>=2.9,<2.15"  # tested with 2.13,
+        "torch>=2.9,<2.15",  # tested with 2.13
         "transformers>=5.16,<5.25",
         "accelerate>=1.13,<1.16",
         "safetensors>=0.4",

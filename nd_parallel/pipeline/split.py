@@ -1,10 +1,11 @@
 """Split a decoder-only HF causal LM into pipeline stages by module name (pure: no process group).
 
 A model is described by its *parts*: the modules that run before the decoder layers (embeddings), the
-layers, and the modules after them (final norm, lm_head). The model's own ``pp_plan`` names those parts
-where transformers defines one; otherwise they are inferred from the module tree: the longest ModuleList
-is the layer stack, modules registered before it belong to the first stage, modules after it to the last
-stage, and modules without parameters (rotary embeddings, dropout) run on every stage.
+layers, and the modules after them (final norm, lm_head). The layer stack is the ModuleList the model's own
+``pp_plan`` names where transformers defines one (``base_model_pp_plan``), otherwise the longest ModuleList.
+Around it the module tree decides (the plan's dict order is not execution order): modules registered before
+the stack belong to the first stage, modules after it and the head to the last stage, and modules without
+parameters (rotary embeddings, dropout) run on every stage.
 
 Default split (``"uniform"``): the layers are spread as evenly as possible over the ``pp_size *
 pp_virtual_stages`` stages; when they don't divide, the extra layers go to the middle stages first (the
@@ -44,7 +45,22 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _plan_layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The decoder-layer ModuleList named by the model's own pp_plan (transformers' ``base_model_pp_plan``)."""
+    plan = getattr(model, "pp_plan", None) or {}
+    if not plan:
+        base = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = {(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v for k, v in base.items()}
+    modules = dict(model.named_modules())
+    stacks = [(k, modules[k]) for k in plan if isinstance(modules.get(k), nn.ModuleList) and len(modules[k]) > 0]
+    return stacks[0] if len(stacks) == 1 else None
+
+
 def _layer_stack(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    from_plan = _plan_layer_stack(model)
+    if from_plan is not None:
+        return from_plan
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         raise UnsplittableModel(

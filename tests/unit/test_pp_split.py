@@ -136,3 +136,10 @@ def test_batch_not_divisible_by_microbatches():
 def test_layer_list_of_the_wrong_length_is_refused_by_the_config():
     with pytest.raises(ValueError, match=r"pp_balance=\[1, 1, 1\] has 3 entries.*2 stages"):
         ParallelismConfig(pp_size=2, pp_balance=[1, 1, 1])
+
+
+def test_the_models_pp_plan_names_the_layer_stack():
+    model = build(num_hidden_layers=2)
+    # A longer ModuleList elsewhere would win the "longest list" guess; the pp_plan still names the layers.
+    model.model.extra = nn.ModuleList([nn.Identity() for _ in range(5)])
+    assert model_parts(model).layers_fqn == "model.layers"
