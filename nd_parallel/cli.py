@@ -307,11 +307,12 @@ def cmd_train(args) -> int:
     if not (Path(cfg.base_model) / "config.json").is_file():
         raise ConfigError(f"{args.config}: base_model {cfg.base_model!r} is not a Hugging Face checkpoint "
                           "directory (no config.json); create a tiny one with `nd-parallel make-tiny DIR`")
-    if cfg.parallel.pp_size > 1 and cfg.gradient_accumulation_steps > 1:
-        # The pipeline counts the tokens of each call itself, so accumulated calls would each be their own mean.
+    if cfg.parallel.pp_size > 1 and cfg.parallel.pp_backend == "deepspeed" and cfg.gradient_accumulation_steps > 1:
+        # DeepSpeed all-reduces a tied weight's whole gradient at the end of every schedule run, so a second
+        # accumulated run would count the first one's tied gradient twice.
         raise ConfigError(f"{args.config}: gradient_accumulation_steps={cfg.gradient_accumulation_steps} with "
-                          f"pipeline_parallel_size={cfg.parallel.pp_size}: the pipeline already splits each step "
-                          "into micro-batches; set gradient_accumulation_steps: 1 and raise pp_microbatches")
+                          "pp_backend='deepspeed': the pipeline already splits each step into micro-batches; set "
+                          "gradient_accumulation_steps: 1 and raise pp_microbatches, or use pp_backend='torch'")
     config, nproc, device = choose_ranks(cfg.parallel, args.nproc, args.cpu, cpu_fallback=False)
     samples, how = build_samples(cfg.base_model, cfg.datasets, cfg.sequence_len)
     per_micro = cfg.micro_batch_size * config.dp_size
