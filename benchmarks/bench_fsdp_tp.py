@@ -424,17 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch
+    from nd_parallel.launch import launch_for_result
     from nd_parallel.toy import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_tp_") as tmp:
         model_dir = save_tiny_model(args.family, Path(tmp) / "model", seed=0, **model_overrides(args))
-        result_path = Path(tmp) / "result.json"
         start = time.perf_counter()
-        launch(str(Path(__file__).resolve()), DP * TP,
-               [*argv, "--worker", "--model-dir", str(model_dir), "--result", str(result_path)],
-               timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-        result = json.loads(result_path.read_text())
+        result = launch_for_result(str(Path(__file__).resolve()), DP * TP, [*argv, "--model-dir", str(model_dir)],
+                                   timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
     print(f"\n[bench] launch took {time.perf_counter() - start:.0f} s\n")
     print(report(result, args))
     if args.json:

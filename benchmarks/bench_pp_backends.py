@@ -80,18 +80,17 @@ def main(argv=None) -> None:
         return worker(args)
     if args.quick:
         args.hidden, args.layers, args.seq, args.steps, args.per_rank_batch = 64, 4, 32, 5, 4
-    from nd_parallel.launch import launch
+    from nd_parallel.launch import launch_for_result
     from nd_parallel.toy import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,
                                 intermediate_size=4 * args.hidden, num_attention_heads=8, num_key_value_heads=4,
                                 head_dim=args.hidden // 8, tie_word_embeddings=False)
-        result = Path(tmp) / "result.json"
         forwarded = [f"--pp={args.pp}", f"--microbatches={args.microbatches}", f"--per-rank-batch={args.per_rank_batch}",
-                     f"--seq={args.seq}", f"--steps={args.steps}", "--worker", f"--model={model}", f"--result={result}"]
-        launch(__file__, args.pp, forwarded, timeout=1200, env={"DS_ACCELERATOR": "cpu"}, capture=True)
-        data = json.loads(result.read_text())
+                     f"--seq={args.seq}", f"--steps={args.steps}", f"--model={model}"]
+        data = launch_for_result(__file__, args.pp, forwarded, timeout=1200, env={"DS_ACCELERATOR": "cpu"},
+                                 capture=True)
     med = {b: statistics.median(t[args.warmup:]) for b, t in data["times"].items()}
     print(f"pp={args.pp} microbatches={args.microbatches} per-rank batch={args.per_rank_batch} seq={args.seq} "
           f"hidden={args.hidden} layers={args.layers}; {args.steps - args.warmup} timed steps each, alternating")

@@ -24,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -199,15 +198,12 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch
+    from nd_parallel.launch import launch_for_result
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench_pp_balance_") as tmp:
-        result = Path(tmp) / "result.json"
-        start = time.perf_counter()
-        launch(str(Path(__file__).resolve()), P, [*argv, "--worker", "--result", str(result)],
-               timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-        data = json.loads(result.read_text())
+    start = time.perf_counter()
+    data = launch_for_result(str(Path(__file__).resolve()), P, argv, timeout=args.timeout,
+                              env={"HF_HUB_OFFLINE": "1"})
     print(f"\n[bench] llama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, p={P}, 1F1B, "
           f"m={args.microbatches} x (1 x {args.seq}); launch took {time.perf_counter() - start:.0f} s\n")
     print(report(data, args))

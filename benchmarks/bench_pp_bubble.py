@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -183,15 +182,12 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch
+    from nd_parallel.launch import launch_for_result
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bench_pp_bubble_") as tmp:
-        result = Path(tmp) / "result.json"
-        start = time.perf_counter()
-        launch(str(Path(__file__).resolve()), P, [*argv, "--worker", "--result", str(result)],
-               timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-        results = json.loads(result.read_text())
+    start = time.perf_counter()
+    results = launch_for_result(str(Path(__file__).resolve()), P, argv, timeout=args.timeout,
+                              env={"HF_HUB_OFFLINE": "1"})
     print(f"\n[bench] p={P}, {LAYERS} layers, sleeps per layer F={args.f_ms} B={args.b_ms} W={args.w_ms} ms; "
           f"launch took {time.perf_counter() - start:.0f} s; traces and pictures in {args.out}/\n")
     print(report(results, args))

@@ -55,3 +55,16 @@ def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 6
     if proc.returncode != 0:
         raise RuntimeError(f"{nprocs} ranks of {script} failed with exit code {proc.returncode}\n{out or ''}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def launch_for_result(script: str, nprocs: int, args: list[str] = (), **kwargs):
+    """Run ``script`` on ``nprocs`` ranks with ``--worker --result FILE`` appended, and return the JSON rank 0
+    wrote to FILE. The shape every benchmark shares: the parent launches itself as the ranks."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="nd_parallel_result_") as tmp:
+        result = Path(tmp) / "result.json"
+        launch(script, nprocs, [*args, "--worker", "--result", str(result)], **kwargs)
+        return json.loads(result.read_text())
