@@ -53,8 +53,11 @@ class GlobalTokenLoss:
     that differ only in tp see the same tokens and are not summed.
     """
 
-    def __init__(self, model: nn.Module, group, ignore_index: int = IGNORE_INDEX):
+    def __init__(self, model: nn.Module, group, given_group=None, ignore_index: int = IGNORE_INDEX):
         self.group = group
+        # A caller-given num_items_in_batch counts the rank's whole batch, which cp peers share: add it over
+        # the data-parallel ranks only. Counted here, a count covers the rank's own sequence shard: add over dp x cp.
+        self.given_group = given_group if given_group is not None else group
         self.ignore_index = ignore_index
         self.signature = inspect.signature(model.forward)
         self.native = _accepts_num_items(model.forward)
@@ -77,10 +80,16 @@ class GlobalTokenLoss:
             self._total = None
             return None
         given = kwargs.get("num_items_in_batch")
-        local = given if given is not None else count_label_tokens(labels, self.ignore_index)
+        shifted = kwargs.get("shift_labels")  # context parallelism shifts labels before cutting the sequence
+        if given is not None:
+            local = given
+        elif shifted is not None:
+            local = (shifted != self.ignore_index).sum()
+        else:
+            local = count_label_tokens(labels, self.ignore_index)
         local = torch.as_tensor(local, device=labels.device, dtype=torch.int64).reshape(())
         total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.given_group if given is not None else self.group)
         # A global batch with no label token gives loss 0 rather than 0/0.
         self._local, self._total = local, total.clamp(min=1)
         if self.native:

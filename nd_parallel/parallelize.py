@@ -33,11 +33,11 @@ def parallelize(model: nn.Module, mesh: ParallelMesh) -> nn.Module:
     check_not_parallelized(model)
     if config.pp_size > 1:
         raise NotImplementedError("pp_size > 1: pipeline parallelism is not available in this version yet")
-    if config.cp_size > 1:
-        raise NotImplementedError("cp_size > 1: context parallelism is not available in this version yet")
     # 1. tensor parallel: split Linear weights along the model's own plan.
     if config.tp_size > 1:
         apply_tp(model, mesh["tp"], plan_overrides=config.tp_plan)
+    # Context parallelism changes no weight: it cuts the batch and swaps the attention function
+    # (context_parallel/hf.py); its ranks hold equal weights, so FSDP shards over them too (mesh.fsdp_mesh).
     # 2. data parallel last: shard (or replicate) whatever TP produced.
     if mesh.fsdp_mesh is not None:
         apply_fsdp(model, mesh.fsdp_mesh)

@@ -157,6 +157,10 @@ def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
                 config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)
     pipe = PipelineModel(stages, mine, num_stages, mesh, config.pp_schedule, config.microbatches, device, loss,
                          model.config, tied_weights)
+    if config.cp_size > 1:
+        from ..context_parallel.hf import pad_token_id, runtime_for
+
+        pipe.cp, pipe.pad_id = runtime_for(mesh, config), pad_token_id(model)
     if config.pp_timeline:
         from .timeline import TimelineRecorder, attach
 

@@ -113,8 +113,9 @@ class StageRunner:
             return (hidden, *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden}
 
-    def __call__(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        common = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    def __call__(self, x: torch.Tensor, attention_mask=None, position_ids=None, **extra) -> torch.Tensor:
+        # extra: per-row tensors the attention needs besides the mask (context parallelism's key metadata)
+        common = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
         if self.is_first:
             inputs = dict(input_ids=x)
         else:

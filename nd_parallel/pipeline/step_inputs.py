@@ -21,13 +21,17 @@ def check_step_inputs(input_ids: torch.Tensor, labels, unused: dict, microbatche
             f"pp_microbatches={microbatches}; use a per-rank batch size that is a multiple of {microbatches}")
 
 
-def global_label_tokens(labels: torch.Tensor, mesh, num_items_in_batch=None) -> torch.Tensor:
+def global_label_tokens(labels: torch.Tensor, mesh, num_items_in_batch=None, shifted: bool = False) -> torch.Tensor:
     """Label tokens of the whole global batch (every micro-batch, dp and cp rank); at least 1.
 
     With gradient accumulation the caller passes this rank's label tokens over every call of the optimizer
     step (HF's ``num_items_in_batch`` convention), so that each call's loss is its share of the step's mean.
     """
-    local = count_label_tokens(labels) if num_items_in_batch is None else num_items_in_batch
+    if num_items_in_batch is not None:  # counts the rank's whole batch, which its cp peers share
+        local, group = num_items_in_batch, mesh["dp"].get_group()
+    else:  # shifted: context parallelism already shifted the labels and cut them into sequence shards
+        local = (labels != -100).sum() if shifted else count_label_tokens(labels)
+        group = mesh["dp_cp"].get_group()
     total = torch.as_tensor(local, device=labels.device, dtype=torch.int64).reshape(()).clone()
-    dist.all_reduce(total, group=mesh["dp_cp"].get_group())
+    dist.all_reduce(total, group=group)
     return total.clamp(min=1)

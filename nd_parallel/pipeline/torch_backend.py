@@ -29,9 +29,11 @@ class PipelineLoss:
         self.loss_function = model.loss_function
         self.vocab_size = model.config.get_text_config().vocab_size
         self.total_tokens: torch.Tensor | None = None
+        self.shifted = False  # context parallelism hands over labels already shifted (and cut)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.total_tokens)
+        extra = {"shift_labels": labels} if self.shifted else {}
+        return self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.total_tokens, **extra)
 
 
 class PipelineModel(nn.Module):
@@ -50,6 +52,8 @@ class PipelineModel(nn.Module):
         self.loss = loss
         self.config = config
         self.tied = tied  # TiedWeights or None
+        self.cp = None  # CPRuntime when the sequence is also split (context parallelism)
+        self.pad_id = 0
         self._schedules: dict[tuple, object] = {}
         self.has_first = any(s.index == 0 for s in specs)
         self.has_last = any(s.index == num_stages - 1 for s in specs)
@@ -79,18 +83,35 @@ class PipelineModel(nn.Module):
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
                 **unused):
         check_step_inputs(input_ids, labels, unused, self.microbatches)
-        self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch)
         side = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
+        if self.cp is not None:  # cut the whole batch once; micro-batches split its rows, never its sequence
+            from ..context_parallel.hf import shard_inputs
+
+            side = shard_inputs(dict(input_ids=input_ids, labels=labels, **side), self.cp, self.pad_id).kwargs
+            input_ids, labels = side.pop("input_ids"), side.pop("labels")
+            side.pop("shift_labels")
+        self.loss.shifted = self.cp is not None
+        self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch, shifted=self.loss.shifted)
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
         if self.tied is not None:
             self.tied.snapshot()
-        schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
+        with self._cp_active():
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
         if self.tied is not None:
             self.tied.sync_grads()
         return CausalLMOutputWithPast(loss=self._global_loss(losses))
+
+    def _cp_active(self):
+        import contextlib
+
+        if self.cp is None:
+            return contextlib.nullcontext()
+        from ..context_parallel.hf import active
+
+        return active(self.cp)
 
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Sum of the micro-batch shares over dp/cp ranks, then sent from the last stage to every pp rank."""

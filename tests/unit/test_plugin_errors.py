@@ -140,9 +140,38 @@ def test_mixed_precision_is_refused_with_the_fix():
         NDParallelPlugin(ParallelismConfig()).attach(fake_accelerator(1, mixed_precision="fp16"))
 
 
-def test_context_parallel_not_yet_available():
-    with pytest.raises(NotImplementedError, match="cp_size=2: context parallelism is not available.*cp_size=1"):
-        NDParallelPlugin(ParallelismConfig(cp_size=2)).attach(fake_accelerator(2))
+def _prepare_cp(model, num_processes=2, **layout):
+    plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(fake_accelerator(num_processes))
+    plugin.prepare(model)
+
+
+def test_ulysses_needs_heads_divisible_by_cp():
+    # tiny llama: 4 query heads, 2 kv heads; cp=4 divides neither the kv heads
+    with pytest.raises(ValueError, match="cp_size=4.*num_key_value_heads=2.*ring"):
+        _prepare_cp(tiny_model(), 4, cp_size=4, cp_backend="ulysses")
+
+
+def test_ulysses_heads_counted_after_tensor_parallel():
+    # tp=2 leaves 2 query and 1 kv head per rank: cp=2 cannot split one kv head
+    with pytest.raises(ValueError, match="cp_size=2.*num_key_value_heads=1"):
+        _prepare_cp(tiny_model(), 4, cp_size=2, tp_size=2, cp_backend="ulysses")
+
+
+def test_torch_cp_backend_is_refused_on_cpu_with_the_fix():
+    with pytest.raises(NotImplementedError, match="cp_backend='torch'.*CUDA only.*cp_backend='ring'"):
+        _prepare_cp(tiny_model(), 2, cp_size=2, cp_backend="torch")
+
+
+def test_cp_refuses_a_model_that_bypasses_the_attention_interface():
+    model = tiny_model()
+    model._supports_attention_backend = False  # as for architectures with hand-written attention
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM computes attention in its own code.*cp_size=1"):
+        _prepare_cp(model, 2, cp_size=2)
+
+
+def test_cp_refuses_attention_dropout():
+    with pytest.raises(NotImplementedError, match="attention_dropout=0.1.*attention_dropout=0.0"):
+        _prepare_cp(tiny_model(attention_dropout=0.1), 2, cp_size=2)
 
 
 def test_unsupported_accelerator_type():
