@@ -77,11 +77,18 @@ def encode(text: str) -> list[int]:
     return [b or 1 for b in text.encode("utf-8")]  # keep 0 free for padding
 
 
-def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None) -> list[dict]:
-    """``n`` right-padded samples of ``seq_len`` tokens with varying real lengths (labels -100 on padding)."""
+def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None, packed: bool = False) -> list[dict]:
+    """``n`` right-padded samples of ``seq_len`` tokens with varying real lengths (labels -100 on padding).
+
+    ``packed=True``: each sample is several documents back to back, told apart by position ids that restart
+    at 0 (no attention_mask, the format of transformers' DataCollatorWithFlattening); a document's first token
+    is not a label, so no document learns to predict the next one.
+    """
     rng = random.Random(seed)
     min_len = min_len or max(2, seq_len // 3)
     stream = [t for line in make_text(4 * n, seed) for t in encode(line + " ")]
+    if packed:
+        return _packed_samples(n, seq_len, stream, rng)
     samples, pos = [], 0
     for i in range(n):
         length = seq_len if i % 4 == 0 else rng.randint(min_len, seq_len)
@@ -95,4 +102,20 @@ def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None
                 "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
             }
         )
+    return samples
+
+
+def _packed_samples(n: int, seq_len: int, stream: list[int], rng: random.Random) -> list[dict]:
+    samples, pos = [], 0
+    for _ in range(n):
+        ids, positions, labels = [], [], []
+        while len(ids) < seq_len:
+            length = min(rng.randint(2, max(2, seq_len // 2)), seq_len - len(ids))
+            doc = stream[pos : pos + length]
+            pos += length
+            ids += doc
+            positions += list(range(length))
+            labels += [IGNORE_INDEX] + doc[1:]
+        samples.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
+                        "position_ids": torch.tensor(positions)})
     return samples

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .sharding import ShardedBatch, shard_batch, token_index, unshard
+from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index, unshard
 
 logger = logging.getLogger("nd_parallel")
 
@@ -45,6 +45,7 @@ class CPRuntime:
     rank: int
     backend: str
     load_balance: bool
+    mesh: object = None  # the cp DeviceMesh (cp_backend="torch" hands it to torch's context_parallel)
 
     def metas(self, valid: torch.Tensor, doc: torch.Tensor | None):
         """Every cp rank's key metadata, cut from the full-sequence tensors every rank holds."""
@@ -95,10 +96,44 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
+    if runtime.backend == "torch":
+        out = torch_cp_attention(runtime, query, key, value, scale=scale, causal=causal)
+        return out.transpose(1, 2).contiguous(), None
     kernel = ulysses_attention if runtime.backend == "ulysses" else ring_attention
     out = kernel(query, key, value, runtime.group, runtime.metas(nd_cp_valid, nd_cp_doc), scale=scale, causal=causal,
                  sliding_window=sliding_window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def torch_cp_attention(runtime: CPRuntime, query, key, value, *, scale: float, causal: bool):
+    """cp_backend="torch": torch's own ring (torch.distributed.tensor.experimental.context_parallel) on CUDA.
+
+    Its SDPA dispatcher runs the flash / efficient / cuDNN kernels block by block and assumes the same
+    head-and-tail chunk layout as sharding.py when load balancing is on. It supports causal attention without
+    a mask only: right padding is fine (a padded key is only ever seen by later, padded queries), the rest is
+    refused up front (check_model, check_torch_batch). Not exercised on this project's CPU CI.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
+
+    if not causal:
+        raise NotImplementedError("cp_backend='torch' supports causal attention only; use cp_backend='ring'")
+    _cp_options.enable_load_balance = runtime.load_balance
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # torch's CP SDPA takes equal head counts
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    with context_parallel(runtime.mesh, buffers=[], buffer_seq_dims=[]):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+
+
+def check_torch_batch(sharded: ShardedBatch) -> None:
+    """cp_backend="torch" has no mask: refuse padding that is not at the end of a row, and packed rows."""
+    if sharded.doc is not None:
+        raise NotImplementedError("cp_backend='torch' cannot mask packed documents apart; use cp_backend='ring'")
+    valid = sharded.valid.int()
+    if (valid[:, 1:] > valid[:, :-1]).any():
+        raise NotImplementedError("cp_backend='torch' supports right padding only (a 0 of the attention_mask before "
+                                  "a 1 was found); use cp_backend='ring', which masks any padding")
 
 
 def register_attention() -> None:
@@ -122,6 +157,13 @@ def check_model(model: nn.Module, config, device_type: str) -> None:
             f"(this run is on {device_type}: torch has no sharding rule for the CPU attention kernel); use "
             "cp_backend='ring' (default) or 'ulysses', which run everywhere"
         )
+    if config.cp_backend == "torch":
+        text = _text_config(model)
+        if getattr(text, "attn_logit_softcapping", None) or getattr(text, "sliding_window", None):
+            raise NotImplementedError(
+                f"{name} uses soft-capping or sliding-window attention, which cp_backend='torch' (plain causal SDPA) "
+                "cannot express; use cp_backend='ring'"
+            )
     if not getattr(model, "_supports_attention_backend", False):
         raise NotImplementedError(
             f"{name} computes attention in its own code instead of dispatching through transformers' "
@@ -165,9 +207,11 @@ def pad_token_id(model: nn.Module) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < text.vocab_size else 0
 
 
-def shard_inputs(inputs: dict, runtime: CPRuntime, pad_id: int) -> ShardedBatch:
+def shard_inputs(inputs: dict, runtime: CPRuntime, pad_id: int, isolate_documents: bool) -> ShardedBatch:
     """This rank's share of a batch, with the key metadata added as model keyword arguments."""
-    sharded = shard_batch(inputs, runtime.rank, runtime.size, runtime.load_balance, pad_id)
+    sharded = shard_batch(inputs, runtime.rank, runtime.size, runtime.load_balance, pad_id, isolate_documents)
+    if runtime.backend == "torch":
+        check_torch_batch(sharded)
     sharded.kwargs["nd_cp_valid"] = sharded.valid
     if sharded.doc is not None:
         sharded.kwargs["nd_cp_doc"] = sharded.doc
@@ -191,6 +235,7 @@ class SequenceSharding:
     def __init__(self, model: nn.Module, runtime: CPRuntime):
         self.runtime = runtime
         self.pad_id = pad_token_id(model)
+        self.model_config = model.config
         self.signature = inspect.signature(model.forward)
         self._state: list = []
         self.handles = [
@@ -205,9 +250,12 @@ class SequenceSharding:
         for p in self.signature.parameters.values():  # flatten **kwargs back into keyword arguments
             if p.kind is p.VAR_KEYWORD:
                 inputs.update(inputs.pop(p.name, {}))
-        if inputs.get("past_key_values") is not None or inputs.get("use_cache"):
-            inputs["use_cache"] = False  # a KV cache of a sequence shard is of no use; generation is not CP
-        sharded = shard_inputs({k: v for k, v in inputs.items() if v is not None}, self.runtime, self.pad_id)
+        if inputs.get("past_key_values") is not None:
+            raise NotImplementedError("a KV cache (past_key_values) under context parallelism: generation is not "
+                                      "sequence-parallel; generate with an unprepared model")
+        isolate = isolates_documents(self.model_config, inputs.pop("use_cache", None))
+        inputs["use_cache"] = False  # a KV cache of a sequence shard is of no use
+        sharded = shard_inputs({k: v for k, v in inputs.items() if v is not None}, self.runtime, self.pad_id, isolate)
         token = _ACTIVE.set(self.runtime)
         self._state.append((token, sharded.seq_len, "labels" in sharded.kwargs))
         return (), sharded.kwargs
@@ -229,4 +277,4 @@ class SequenceSharding:
 
 def runtime_for(mesh, config) -> CPRuntime:
     return CPRuntime(group=mesh["cp"].get_group(), size=config.cp_size, rank=mesh.local_rank("cp"),
-                     backend=config.cp_backend, load_balance=config.cp_load_balance)
+                     backend=config.cp_backend, load_balance=config.cp_load_balance, mesh=mesh["cp"])

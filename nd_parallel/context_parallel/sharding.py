@@ -50,6 +50,19 @@ def check_sequence(seq_len: int, cp: int, load_balance: bool) -> None:
         )
 
 
+def isolates_documents(model_config, use_cache) -> bool:
+    """Whether transformers masks packed documents apart in a forward called with ``use_cache``.
+
+    transformers detects packing (position ids that restart) only when the forward builds no KV cache: with
+    the default use_cache=True (config.use_cache) tokens of a packed row attend across document boundaries.
+    Context parallelism and pipeline stages reproduce whichever the single-process forward does.
+    """
+    if use_cache is None:
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        use_cache = getattr(text, "use_cache", False)
+    return not use_cache
+
+
 def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Document ids of packed rows (position ids restart per document), or None when no row is packed.
 
@@ -80,7 +93,8 @@ def _pad(t: torch.Tensor, length: int, value) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
-def shard_batch(inputs: dict, rank: int, cp: int, load_balance: bool, pad_token_id: int = 0) -> ShardedBatch:
+def shard_batch(inputs: dict, rank: int, cp: int, load_balance: bool, pad_token_id: int = 0,
+                isolate_documents: bool = True) -> ShardedBatch:
     """Cut ``inputs`` (the keyword arguments of a causal-LM forward) into ``rank``'s share of the sequence.
 
     - input_ids / inputs_embeds / position_ids: the rank's tokens; position ids stay the global ones, so RoPE
@@ -90,6 +104,8 @@ def shard_batch(inputs: dict, rank: int, cp: int, load_balance: bool, pad_token_
     - attention_mask: becomes ``valid`` (key padding, travels with the keys' metadata); the model itself gets
       none, the CP attention builds the mask from global token positions.
     - A length that does not split evenly is padded at the end with invalid, unlabelled tokens.
+    - Packed rows (position ids restart, no attention_mask) get document ids when ``isolate_documents``
+      (see isolates_documents: what transformers itself does for the same call).
     """
     inputs = dict(inputs)
     ids, embeds = inputs.pop("input_ids", None), inputs.pop("inputs_embeds", None)
@@ -115,7 +131,7 @@ def shard_batch(inputs: dict, rank: int, cp: int, load_balance: bool, pad_token_
     doc = None
     if positions is not None:
         positions = positions.expand(batch, -1) if positions.shape[0] != batch else positions
-        if mask is None:
+        if mask is None and isolate_documents:
             doc = packed_documents(positions)
             if doc is not None:
                 doc = _pad(doc, padded, -1)

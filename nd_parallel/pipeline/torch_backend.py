@@ -17,6 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .schedules import SCHEDULES
 from .split import StageSpec
+from ..context_parallel.sharding import isolates_documents
 from .step_inputs import check_step_inputs, global_label_tokens
 
 logger = logging.getLogger(__name__)
@@ -81,15 +82,20 @@ class PipelineModel(nn.Module):
         return self._schedules[shape]
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
-                **unused):
+                use_cache=None, **unused):
         check_step_inputs(input_ids, labels, unused, self.microbatches)
         side = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
+        # Stages run without a KV cache; transformers separates packed documents only then, so tell the stages
+        # what the single-process forward would do with this call's use_cache.
+        isolate = isolates_documents(self.config, use_cache)
         if self.cp is not None:  # cut the whole batch once; micro-batches split its rows, never its sequence
             from ..context_parallel.hf import shard_inputs
 
-            side = shard_inputs(dict(input_ids=input_ids, labels=labels, **side), self.cp, self.pad_id).kwargs
+            side = shard_inputs(dict(input_ids=input_ids, labels=labels, **side), self.cp, self.pad_id, isolate).kwargs
             input_ids, labels = side.pop("input_ids"), side.pop("labels")
             side.pop("shift_labels")
+        elif not isolate and position_ids is not None and attention_mask is None:
+            side["attention_mask"] = torch.ones_like(input_ids)  # a mask turns transformers' packing detection off
         self.loss.shifted = self.cp is not None
         self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch, shifted=self.loss.shifted)
         schedule = self._schedule_for(tuple(input_ids.shape))

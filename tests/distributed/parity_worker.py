@@ -1,8 +1,8 @@
 """Rank program for the parity matrix: train every (family, layout) given, write rank 0's results.
 
 Usage (under torchrun): parity_worker.py OUT_DIR SPEC_JSON
-SPEC_JSON: {"models": {key: dir}, "runs": [[model key, layout name, {config kwargs}, result name], ...],
-            "recipe": {...}, "samples": {...}}
+SPEC_JSON: {"models": {key: dir}, "recipe": {...},
+            "runs": [[model key, layout name, {config kwargs}, result name, {make_samples kwargs}], ...]}
 """
 
 import json
@@ -20,8 +20,10 @@ from nd_parallel.toy import make_samples
 def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     recipe = Recipe(**spec["recipe"])
-    samples = make_samples(**spec["samples"])
-    for model_key, _, layout, result_name in spec["runs"]:
+    made = {}
+    for model_key, _, layout, result_name, sample_spec in spec["runs"]:
+        key = json.dumps(sample_spec, sort_keys=True)
+        samples = made[key] = made.get(key) or make_samples(**sample_spec)
         accelerator = Accelerator()
         plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
         result = train_layout(accelerator, plugin, spec["models"][model_key], samples, recipe)

@@ -21,9 +21,15 @@ LOSS_RTOL = NORM_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
 
-def L(n_layers=2, **config):
-    """A layout: ParallelismConfig kwargs, and the depth of the tiny model it trains."""
-    return {"config": config, "layers": n_layers}
+def L(n_layers=2, samples=None, **config):
+    """A layout: ParallelismConfig kwargs, the depth of the tiny model it trains, and its data if not SAMPLES."""
+    return {"config": config, "layers": n_layers, "samples": samples or SAMPLES}
+
+
+# Data that stresses context parallelism: a length that 2*cp does not divide (the sequence is padded), and
+# packed documents (position ids restart, no attention_mask; transformers masks across documents).
+ODD = dict(n=96, seq_len=23)
+PACKED = dict(n=96, seq_len=24, packed=True)
 
 
 # launch name -> (world size, samples per dp rank per step, {layout name: layout})
@@ -58,6 +64,30 @@ LAUNCHES = {
     # More families, each with its own twist: fused qkv (phi3, gpt_neox), biases (phi, starcoder2),
     # soft-capping + eager attention (gemma2), sliding windows (gemma3_text), post-norms (olmo2), no tp_plan
     # and learned positions (gpt2).
+    # Context parallelism: ring (load-balanced and contiguous shards) and Ulysses, alone and composed.
+    "cp2r": (2, 2, {
+        "cp2": L(cp_size=2),
+        "cp2_contiguous": L(cp_size=2, cp_load_balance=False),
+        "ulysses2": L(cp_size=2, cp_backend="ulysses"),
+        "cp2_odd_len": L(cp_size=2, samples=ODD),
+        "cp2_packed": L(cp_size=2, samples=PACKED),
+        "ulysses2_packed": L(cp_size=2, cp_backend="ulysses", samples=PACKED),
+    }),
+    "cp4r": (4, 2, {
+        "cp4": L(cp_size=4),
+        "cp4_odd_len": L(cp_size=4, samples=ODD),
+        "cp2_fsdp2": L(cp_size=2, dp_shard_size=2),
+        "cp2_tp2": L(cp_size=2, tp_size=2),
+        "cp2_pp2": L(4, cp_size=2, pp_size=2),
+        "ulysses2_fsdp2": L(cp_size=2, dp_shard_size=2, cp_backend="ulysses"),
+    }),
+    # Twists of other families under CP: soft-capping (gemma2), sliding windows shorter than the sequence
+    # (gemma3_text, window 8: the window crosses shard boundaries), learned positions (gpt2), fused qkv (phi3).
+    "cp_families": (2, 2, {
+        "cp2_odd_len": L(cp_size=2, samples=ODD),
+        "ulysses2": L(cp_size=2, cp_backend="ulysses"),
+        "cp2_packed": L(cp_size=2, samples=PACKED),
+    }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
         "tp2": L(4, tp_size=2),
@@ -70,7 +100,13 @@ EXCLUDE = {("gpt2", "tp2")}  # gpt2 has no tp_plan: refused, see tests/unit/test
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
             "pp4r": ["llama", "qwen3", "mistral"],
-            "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2"]}
+            "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2"],
+            "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
+            "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache"]}
+# Family names that are a family with config overrides. use_cache=False: transformers then masks packed
+# documents apart (with the default use_cache=True it does not; both are reproduced, see
+# context_parallel/sharding.isolates_documents).
+VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocache": ("llama", dict(use_cache=False))}
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 
@@ -92,7 +128,9 @@ def model_dirs(tmp_path_factory):
 
     def get(family, layers):
         if (family, layers) not in made:
-            made[family, layers] = str(save_tiny_model(family, root / f"{family}{layers}", num_hidden_layers=layers))
+            base, overrides = VARIANTS.get(family, (family, {}))
+            made[family, layers] = str(save_tiny_model(base, root / f"{family}{layers}", num_hidden_layers=layers,
+                                                       **overrides))
         return made[family, layers]
 
     return get
@@ -110,10 +148,9 @@ def runs(model_dirs, tmp_path_factory):
             spec = {
                 "models": {f"{f}{lay['layers']}": model_dirs(f, lay["layers"])
                            for f in FAMILIES[name] for lay in layouts.values()},
-                "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}"]
+                "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}", lay["samples"]]
                          for f in FAMILIES[name] for n, lay in layouts.items() if (f, n) not in EXCLUDE],
                 "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
-                "samples": SAMPLES,
             }
             (out / "spec.json").write_text(json.dumps(spec))
             launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
@@ -126,13 +163,12 @@ def runs(model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(model_dirs):
     cache = {}
-    samples = make_samples(**SAMPLES)
 
-    def get(family, layers, dp, per_rank):
-        key = (family, layers, dp, per_rank)
+    def get(family, layers, dp, per_rank, samples):
+        key = (family, layers, dp, per_rank, json.dumps(samples, sort_keys=True))
         if key not in cache:
             recipe = Recipe(steps=5, per_rank_batch=per_rank, lr=1e-3)
-            cache[key] = train_reference(model_dirs(family, layers), samples, dp, recipe)
+            cache[key] = train_reference(model_dirs(family, layers), make_samples(**samples), dp, recipe)
         return cache[key]
 
     return get
@@ -144,7 +180,7 @@ def test_layout_matches_single_process(launch_name, family, layout, runs, refere
     saved = torch.load(runs(launch_name) / f"{family}__{layout}.pt", weights_only=True)
     run = RunResult(saved["losses"], saved["norms"], saved["state"])
     lay = layouts[layout]
-    ref = references(family, lay["layers"], _dp(lay["config"], world), per_rank)
+    ref = references(family, lay["layers"], _dp(lay["config"], world), per_rank, lay["samples"])
     diff = compare(ref, run)
     print(f"{launch_name} {family} {layout}: {diff}")
     assert len(ref.losses) == 5, "the data ran out before the last step"
