@@ -77,12 +77,13 @@ def encode(text: str) -> list[int]:
     return [b or 1 for b in text.encode("utf-8")]  # keep 0 free for padding
 
 
-def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None, packed: bool = False) -> list[dict]:
+def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None, packed: bool = False,
+                 left_pad: bool = False) -> list[dict]:
     """``n`` right-padded samples of ``seq_len`` tokens with varying real lengths (labels -100 on padding).
 
     ``packed=True``: each sample is several documents back to back, told apart by position ids that restart
     at 0 (no attention_mask, the format of transformers' DataCollatorWithFlattening); a document's first token
-    is not a label, so no document learns to predict the next one.
+    is not a label, so no document learns to predict the next one. ``left_pad=True`` puts the padding first.
     """
     rng = random.Random(seed)
     min_len = min_len or max(2, seq_len // 3)
@@ -95,13 +96,11 @@ def make_samples(n: int, seq_len: int, seed: int = 0, min_len: int | None = None
         ids = stream[pos : pos + length]
         pos += length
         pad = seq_len - len(ids)
-        samples.append(
-            {
-                "input_ids": torch.tensor(ids + [PAD_ID] * pad),
-                "labels": torch.tensor(ids + [IGNORE_INDEX] * pad),
-                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-            }
-        )
+        sample = {"input_ids": ids + [PAD_ID] * pad, "labels": ids + [IGNORE_INDEX] * pad,
+                  "attention_mask": [1] * len(ids) + [0] * pad}
+        if left_pad:
+            sample = {k: v[len(ids):] + v[: len(ids)] for k, v in sample.items()}
+        samples.append({k: torch.tensor(v) for k, v in sample.items()})
     return samples
 
 

@@ -38,3 +38,22 @@ def test_heads_not_divisible_fails_fast(tiny_models):
         launch("tests/distributed/error_worker.py", 4, [json.dumps(dict(tp_size=4)), tiny_models["llama"]],
                timeout=180, capture=True)
     assert str(err.value).count("tp_size=4 does not divide num_key_value_heads=2") >= 4
+
+
+@pytest.mark.parametrize(
+    "batch,expected",
+    [
+        (dict(seq_len=3), "a sequence of 3 tokens cannot be split over cp_size=2"),
+        (dict(seq_len=8, mask_dims=4), "context parallelism takes a 2-D attention_mask"),
+    ],
+    ids=["cp-sequence-too-short", "cp-4d-mask"],
+)
+def test_cp_batch_it_cannot_split_fails_fast_on_every_rank(batch, expected, tiny_models):
+    start = time.time()
+    with pytest.raises(RuntimeError) as err:
+        launch("tests/distributed/error_worker.py", 2, [json.dumps(dict(cp_size=2)), tiny_models["llama"],
+                                                        json.dumps(batch)], timeout=180, capture=True)
+    text = str(err.value)
+    assert text.count("prepared without error") == 2 and "forward without error" not in text
+    assert text.count(expected) >= 2, text[-3000:]
+    assert time.time() - start < 120

@@ -26,10 +26,11 @@ def L(n_layers=2, samples=None, **config):
     return {"config": config, "layers": n_layers, "samples": samples or SAMPLES}
 
 
-# Data that stresses context parallelism: a length that 2*cp does not divide (the sequence is padded), and
-# packed documents (position ids restart, no attention_mask; transformers masks across documents).
+# Data that stresses context parallelism: a length that 2*cp does not divide (the sequence is padded), packed
+# documents (position ids restart, no attention_mask), and left padding (queries that see no key at all).
 ODD = dict(n=96, seq_len=23)
 PACKED = dict(n=96, seq_len=24, packed=True)
+LEFT_PADDED = dict(n=96, seq_len=24, left_pad=True)
 
 
 # launch name -> (world size, samples per dp rank per step, {layout name: layout})
@@ -55,6 +56,7 @@ LAUNCHES = {
         "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2),
         "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2),
         "pp2_uneven_5l": L(5, pp_size=2),  # default split: 3 + 2 layers
+        "pp2_packed": L(4, pp_size=2, samples=PACKED),  # stages reproduce transformers' (non-)isolation
     }),
     "pp4r": (4, 4, {
         "pp4_1f1b": L(4, pp_size=4, pp_microbatches=4),
@@ -72,6 +74,7 @@ LAUNCHES = {
         "cp2_odd_len": L(cp_size=2, samples=ODD),
         "cp2_packed": L(cp_size=2, samples=PACKED),
         "ulysses2_packed": L(cp_size=2, cp_backend="ulysses", samples=PACKED),
+        "cp2_left_padded": L(cp_size=2, samples=LEFT_PADDED),
     }),
     "cp4r": (4, 2, {
         "cp4": L(cp_size=4),
