@@ -268,8 +268,9 @@ class ParallelismConfig:
     def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The settings the PARALLELISM_CONFIG_* variables give, as a dict (e.g. for `merge`).
 
-        Empty variables count as unset. accelerate always sets CP_BACKEND (to "torch"), so it is
-        used only when CP_SIZE > 1. accelerate's SP_* and CP_COMM_STRATEGY are ignored.
+        Empty variables count as unset. accelerate always sets CP_BACKEND to "torch" (its only choice), so
+        that value is ignored; "ring" / "ulysses" are used when CP_SIZE > 1. Pick the torch backend with
+        ParallelismConfig(cp_backend="torch") or cp_backend in the YAML. accelerate's SP_* and CP_COMM_STRATEGY are ignored.
         """
         env = os.environ if environ is None else environ
         raw = {k[len(_ENV_PREFIX):]: v.strip() for k, v in env.items()
@@ -284,7 +285,9 @@ class ParallelismConfig:
             raise ConfigError(
                 f"{_ENV_PREFIX}SP_SIZE={raw['SP_SIZE']}: accelerate's sp_size (DeepSpeed Ulysses) "
                 "is not supported; use cp_size with cp_backend='ulysses' instead")
-        if "CP_BACKEND" in raw and out.get("cp_size", 1) > 1:
+        # accelerate's launcher can only write CP_BACKEND=torch, and always does: it says nothing about the
+        # user's choice, so it keeps our default (ring, which runs everywhere). A hand-set ring / ulysses counts.
+        if "CP_BACKEND" in raw and raw["CP_BACKEND"] != "torch" and out.get("cp_size", 1) > 1:
             out["cp_backend"] = raw["CP_BACKEND"]
         if "PP_BALANCE" in raw:
             out["pp_balance"] = _env_balance(raw["PP_BALANCE"])

@@ -90,11 +90,13 @@ def _reference(cfg, dp: int):
     return losses, model
 
 
-@pytest.mark.parametrize("layout,dp", [(dict(dp_shard_size=2), 2), (dict(pipeline_parallel_size=2), 1)],
-                         ids=["fsdp2", "pp2-tied"])
+@pytest.mark.parametrize("layout,dp", [(dict(dp_shard_size=2), 2), (dict(pipeline_parallel_size=2), 1),
+                                      (dict(context_parallel_size=2), 1)],
+                         ids=["fsdp2", "pp2-tied", "cp2"])
 def test_train_yaml_matches_single_process_with_accumulation(tmp_path, layout, dp):
-    """FSDP2, and PP2 of a tied Llama: the tied copies on the two stages must add only each accumulated call's
-    gradient, or the embedding drifts from the second step on."""
+    """FSDP2; PP2 of a tied Llama: the tied copies on the two stages must add only each accumulated call's
+    gradient, or the embedding drifts from the second step on; CP2: the step's token count covers the rank's
+    whole batch, which both cp ranks share, so it must be added over dp only, not over dp x cp."""
     from transformers import AutoModelForCausalLM
 
     path = _write_train_yaml(tmp_path, **layout)
