@@ -387,6 +387,7 @@ class DeepSpeedPipelineModel(nn.Module):
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
                 **unused):
         check_step_inputs(input_ids, labels, unused, self.microbatches)
+        self._check_no_accumulation()
         self.loss.start(global_label_tokens(labels, self.mesh, num_items_in_batch))
         if attention_mask is not None:
             if attention_mask.dim() != 2:
@@ -407,6 +408,20 @@ class DeepSpeedPipelineModel(nn.Module):
         finally:
             self.inputs.calls = {}  # the masks of the last micro-batch are not needed until the next step
         return CausalLMOutputWithPast(loss=self._global_loss())
+
+    def _check_no_accumulation(self) -> None:
+        """DeepSpeed's ReduceTiedGrads all-reduces a tied weight's *whole* gradient in every train_batch, so a
+        second forward before zero_grad would add the first call's tied gradient twice. Every rank of the
+        pipeline runs the same loop, so all of them raise here together (no rank is left waiting)."""
+        if self.tied is None:
+            return
+        if any(p.grad is not None and bool(p.grad.any()) for p in self.stages[0].parameters()):
+            raise NotImplementedError(
+                "gradient accumulation over several forward calls with pp_backend='deepspeed' and tied embeddings "
+                "would count the tied gradient twice (DeepSpeed all-reduces the accumulated tied gradient in every "
+                "call); call optimizer.zero_grad() after every forward, accumulate inside one call with "
+                "pp_microbatches, or use pp_backend='torch'"
+            )
 
     def _global_loss(self) -> torch.Tensor:
         """Sum of the micro-batch shares over dp ranks, then sent from the last stage to every pp rank."""

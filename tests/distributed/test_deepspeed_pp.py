@@ -44,7 +44,8 @@ def L(data=None, **config):
 # launch name -> (world size, samples per dp rank per step, {layout name: layout}, families)
 LAUNCHES = {
     "2r": (2, 4, {
-        "pp2_m4": L(pp_size=2, pp_microbatches=4),
+        # afterwards: accumulation over two forward calls, refused for tied models only
+        "pp2_m4": L(dict(check_accumulation=True), pp_size=2, pp_microbatches=4),
         # split 1+3, sequence length changing between steps, no attention mask (bare-tensor activations)
         "pp2_1+3_varlen_nomask": L(dict(vary_length=True, no_mask=True), pp_size=2, pp_balance=[1, 3]),
     }, ["llama", "qwen3", "gemma"]),
@@ -186,3 +187,8 @@ def test_deepspeed_pipeline_matches_single_process(launch_name, family, layout, 
     assert diff["norm_rel"] <= NORM_RTOL, (diff, run.norms, ref.norms)
     assert diff["param_abs"] <= PARAM_ATOL, diff
     assert ref.losses[-1] < ref.losses[0]  # training moved the weights
+    if lay["data"].get("check_accumulation"):
+        tied = family in ("llama", "gemma")
+        assert (saved["refused"] is not None) == tied, saved["refused"]
+        if tied:
+            assert "would count the tied gradient twice" in saved["refused"] and "zero_grad" in saved["refused"]
