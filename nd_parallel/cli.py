@@ -359,6 +359,24 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """HF safetensors from a save_state checkpoint, offline: one process, one tensor in memory at a time."""
+    from .checkpoint import CheckpointError, export_checkpoint
+
+    start = time.perf_counter()
+    try:
+        summary = export_checkpoint(args.checkpoint, args.output, max_shard_size=args.max_shard_size)
+    except CheckpointError as err:
+        print(f"nd-parallel export: error: {err}", file=sys.stderr)
+        return 2
+    rows = [("model", f"{summary['model_class']} after {summary['step']} optimizer steps"),
+            ("tensors", f"{summary['tensors']} ({_bytes(summary['bytes'])})"),
+            ("files", summary["files"]), ("time", f"{time.perf_counter() - start:.1f} s"),
+            ("load with", f"AutoModelForCausalLM.from_pretrained('{args.output}')")]
+    print(_table(f"nd-parallel export: {args.checkpoint} -> {args.output}", rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .toy import FAMILIES
 
@@ -385,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--lines", type=int, default=2000, help="lines of text (default 2000)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
+    export = sub.add_parser("export", help="write HF safetensors from an accelerator.save_state checkpoint")
+    export.add_argument("checkpoint", help="directory written by accelerator.save_state under nd_parallel")
+    export.add_argument("output", help="directory for config.json + *.safetensors (from_pretrained loads it)")
+    export.add_argument("--max-shard-size", default="10GB", help="largest safetensors file (default 10GB)")
+    export.set_defaults(func=cmd_export)
     return parser
 
 

@@ -17,6 +17,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
+from .checkpoint.dataloader import track as track_position
 from .config import ParallelismConfig
 from .data import check_batch_size, shard_dataloader
 from .grad_norm import clip_grad_norm_
@@ -124,6 +125,9 @@ class NDParallelPlugin:
         accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
         accelerator.get_state_dict = self.get_state_dict
+        for name in ("save_state", "load_state", "save_model", "skip_first_batches"):  # checkpoint/ does these
+            self._originals[name] = getattr(accelerator, name, None)
+            setattr(accelerator, name, getattr(self, name))
         accelerator.nd_parallel = self
         logger.info("attached: %s", c.describe())
         return self
@@ -225,6 +229,7 @@ class NDParallelPlugin:
             return data_loader
         check_batch_size(data_loader, self.config, self.accelerator.split_batches)
         prepared = shard_dataloader(data_loader, self.config, self.accelerator.process_index, self.accelerator)
+        track_position(prepared)  # so that save_state / load_state keep where the loop stands
         self.accelerator._dataloaders.append(prepared)
         return prepared
 
@@ -289,6 +294,35 @@ class NDParallelPlugin:
         for piece in pieces:
             merged.update(piece)
         return merged
+
+    # ------------------------------------------------------------- checkpoints
+    def save_state(self, output_dir=None, **kwargs):
+        """accelerator.save_state: an atomic, sharded DCP checkpoint under HF names (checkpoint/state.py)."""
+        from .checkpoint import save_state
+
+        return save_state(self, output_dir, **kwargs)
+
+    def load_state(self, input_dir=None, **kwargs):
+        """accelerator.load_state: checked first, then loaded under this layout, whatever layout saved it."""
+        from .checkpoint import load_state
+
+        return load_state(self, input_dir, **kwargs)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        """accelerator.save_model: HF safetensors + config.json, gathered and written one tensor at a time."""
+        from .checkpoint import save_model
+
+        return save_model(self, model, save_directory, max_shard_size, safe_serialization)
+
+    def skip_first_batches(self, dataloader, num_batches: int = 0):
+        """Accelerate's, except right after load_state, which already put the dataloader where it was."""
+        from .checkpoint.dataloader import has_pending
+
+        if has_pending(dataloader):
+            raise RuntimeError(
+                f"skip_first_batches(num_batches={num_batches}): accelerator.load_state already positioned this "
+                "dataloader where the saved run stopped; iterate it directly (skipping as well would skip twice)")
+        return self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
 
     # ----------------------------------------------------------------- loading
     def from_pretrained(self, path, **hf_kwargs) -> nn.Module:

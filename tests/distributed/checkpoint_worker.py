@@ -1,0 +1,110 @@
+"""Rank program of the checkpoint tests (test_checkpoint.py): a save phase and a load phase.
+
+Usage (under torchrun, or plain python for the one-process layout): checkpoint_worker.py SPEC_JSON PHASE
+SPEC_JSON: {"model": dir, "samples": {...}, "steps": N, "per_rank": b, "ckpt": dir, "out": dir,
+            "layouts": {name: {"config": {...}, "resume": bool, "export": null | max_shard_size, "shift": k}},
+            "save": [names saved in this launch], "load": [names loaded in this launch], "checkpoints": [names]}
+
+save: per layout, N steps, save_state, the full state gathered at that moment, optionally save_model, then
+      (if resume) N more steps of the same run: the uninterrupted reference.
+load: per layout, prepare once; load its own checkpoint and train N steps (if resume); then load every
+      checkpoint in turn and gather the full state. Rank 0 writes what the test compares.
+"""
+
+import json
+import sys
+import warnings
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from nd_parallel import NDParallelPlugin, ParallelismConfig
+from nd_parallel.checkpoint import CheckpointWarning, full_state
+from nd_parallel.toy import make_samples
+
+
+def _collate(samples):
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def setup(spec: dict, name: str, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    layout = spec["layouts"][name]
+    torch.manual_seed(seed)  # seeds the shuffling generator Accelerate gives the sampler at prepare
+    accelerator = Accelerator()
+    NDParallelPlugin(ParallelismConfig(**layout["config"])).attach(accelerator)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 20)
+    samples = make_samples(**spec["samples"])
+    k = layout["shift"]  # each layout trains on its own order, so that its checkpoint differs from the others
+    loader = DataLoader(samples[k:] + samples[:k], batch_size=spec["per_rank"], shuffle=True, collate_fn=_collate)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    return accelerator, model, opt, loader, sched
+
+
+def train(accelerator, model, opt, loader, sched, steps: int) -> list[float]:
+    """``steps`` optimizer steps, over epoch ends; stops right after the last one (no batch fetched ahead)."""
+    losses = []
+    while len(losses) < steps:
+        for batch in loader:
+            out = model(**batch)
+            accelerator.backward(out.loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            if len(losses) == steps:
+                break
+    return losses
+
+
+def save_phase(spec: dict) -> None:
+    n = spec["steps"]
+    for name in spec["save"]:
+        layout = spec["layouts"][name]
+        acc, model, opt, loader, sched = setup(spec, name, seed=0)
+        result = {"first": train(acc, model, opt, loader, sched, n)}
+        acc.save_state(f"{spec['ckpt']}/{name}")
+        result["state"] = full_state(acc, model, opt)
+        result["sched"] = sched.state_dict()
+        if layout["export"]:
+            acc.save_model(model, f"{spec['out']}/export_{name}", max_shard_size=layout["export"])
+        if layout["resume"]:  # the same run goes on: saving must not have changed anything it depends on
+            result["uninterrupted"] = result["first"] + train(acc, model, opt, loader, sched, n)
+        if layout.get("never_saved"):  # and a run that never saved at all, to show exactly that
+            result["never_saved"] = train(*setup(spec, name, seed=0), 2 * n)
+        if acc.is_main_process:
+            torch.save(result, f"{spec['out']}/save_{name}.pt")
+        acc.wait_for_everyone()
+
+
+def load_phase(spec: dict) -> None:
+    n = spec["steps"]
+    for name in spec["load"]:
+        acc, model, opt, loader, sched = setup(spec, name, seed=1234)  # another seed: load_state restores the order
+        result = {}
+        if spec["layouts"][name]["resume"]:
+            acc.load_state(f"{spec['ckpt']}/{name}")
+            result["resumed"] = train(acc, model, opt, loader, sched, n)
+        for ckpt in spec["checkpoints"]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                acc.load_state(f"{spec['ckpt']}/{ckpt}")
+            result[ckpt] = {"state": full_state(acc, model, opt), "sched": sched.state_dict(),
+                            "warnings": [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]}
+        if acc.is_main_process:
+            torch.save(result, f"{spec['out']}/load_{name}.pt")
+        acc.wait_for_everyone()
+
+
+def main(spec_path: str, phase: str) -> None:
+    spec = json.load(open(spec_path))
+    {"save": save_phase, "load": load_phase}[phase](spec)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
