@@ -21,6 +21,7 @@ from .checkpoint.dataloader import track as track_position
 from .config import ParallelismConfig
 from .data import check_batch_size, shard_dataloader
 from .grad_norm import clip_grad_norm_
+from .loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards, reads_whole_model
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh, build_mesh
 from .parallelize import check_not_parallelized, parallelize
@@ -74,6 +75,7 @@ class NDParallelPlugin:
         self._mesh: ParallelMesh | None = None
         self._param_map: dict[int, list[nn.Parameter]] = {}
         self._models: list[nn.Module] = []
+        self.loading_report = None  # what this rank read at prepare() for a model from from_pretrained (loading.py)
 
     @classmethod
     def from_env(cls, environ=None) -> "NDParallelPlugin":
@@ -185,18 +187,26 @@ class NDParallelPlugin:
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode=False) -> nn.Module:
         self.validate_model(model)
+        device = self.accelerator.device
+        lazy = lazy_checkpoint(model)  # from_pretrained built it on meta: its weights are read below
+        if lazy is not None and (self.accelerator.num_processes == 1 or reads_whole_model(self.config)):
+            self.loading_report = load_local_shards([model], lazy, device)  # every rank needs the whole model
+            lazy = None
         if self.accelerator.num_processes == 1:  # nothing to split; keep the plain single-process path
             model.to(self.accelerator.device)
             self.accelerator._models.append(model)
             return model
         before = dict(model.named_parameters(remove_duplicate=False))
-        model.to(self.accelerator.device)
+        if lazy is None:
+            model.to(device)
         moved = dict(model.named_parameters(remove_duplicate=False))
         if self.config.pp_size > 1:
             model = build_pipeline(model, self.mesh, self.config, self.accelerator.device)
         else:
             parallelize(model, self.mesh)
             model._nd_parallel_loss = GlobalTokenLoss(model, self.mesh["dp_cp"].get_group())
+        if lazy is not None:  # split and sharded on meta: now each rank reads only the pieces it owns
+            self.loading_report = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
         # Old parameter -> the parameter(s) now standing for it on this rank (none: another stage owns it;
         # two: a tied weight whose copies both live here).
         after = dict(model.named_parameters(remove_duplicate=False))
@@ -325,8 +335,23 @@ class NDParallelPlugin:
         return self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
 
     # ----------------------------------------------------------------- loading
-    def from_pretrained(self, path, **hf_kwargs) -> nn.Module:
-        """Load a causal LM from a local directory (a plain ``from_pretrained`` in this version)."""
+    def from_pretrained(self, path, memory_efficient: bool = True, **hf_kwargs) -> nn.Module:
+        """Load a causal LM from a local safetensors checkpoint directory without reading its weights yet.
+
+        The model comes back on the meta device; ``accelerator.prepare`` splits and shards it, then each rank
+        reads from the safetensors files only the slices it owns (loading.py). The parameters equal those of a
+        plain ``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)``. Where that cannot be promised (a hub
+        id, weights transformers converts on load, arguments such as ``device_map``) the plain path is taken,
+        with a warning; ``memory_efficient=False`` takes it always (e.g. to use the model before ``prepare``).
+        Weights are read from safetensors only; ``trust_remote_code`` is passed on only if you pass it.
+        """
         from transformers import AutoModelForCausalLM
 
+        if memory_efficient:
+            try:
+                return build_meta_model(path, **hf_kwargs)
+            except PlainLoadNeeded as why:
+                logger.warning("memory-efficient loading does not apply (%s); loading the whole model on every "
+                               "rank with transformers' from_pretrained", why)
+        hf_kwargs.setdefault("use_safetensors", True)  # weights from safetensors only, unless asked otherwise
         return AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
