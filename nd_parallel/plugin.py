@@ -19,6 +19,9 @@ from torch.utils.data import DataLoader
 
 from .checkpoint.dataloader import track as track_position
 from .config import ParallelismConfig
+from .context_parallel.hf import SequenceSharding, use_cp_attention
+from .context_parallel.hf import check_model as check_cp_model
+from .context_parallel.hf import runtime_for as cp_runtime
 from .data import check_batch_size, shard_dataloader
 from .grad_norm import clip_grad_norm_
 from .loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards, reads_whole_model
@@ -106,10 +109,6 @@ class NDParallelPlugin:
         self.config = self.config.resolve(accelerator.num_processes)
         c = self.config
         check_styles(c.tp_plan or {})  # a typo in an override is an error even while tp_size=1
-        if c.cp_size > 1:
-            raise NotImplementedError(
-                f"cp_size={c.cp_size}: context parallelism is not available in this version; use cp_size=1"
-            )
         if c.pp_size > 1 and c.pp_backend == "deepspeed":
             from .pipeline.deepspeed_backend import require_deepspeed
 
@@ -177,6 +176,8 @@ class NDParallelPlugin:
         check_not_parallelized(model)
         if self.config.pp_size > 1:
             validate_pipeline(model, self.config)
+        if self.config.cp_size > 1:
+            check_cp_model(model, self.config, self.accelerator.device.type)
         if self.config.tp_size > 1:
             check_divisibility(model, self.config.tp_size)
             if not resolve_plan(model, self.config.tp_plan):
@@ -200,11 +201,16 @@ class NDParallelPlugin:
         if lazy is None:
             model.to(device)
         moved = dict(model.named_parameters(remove_duplicate=False))
+        if self.config.cp_size > 1:
+            use_cp_attention(model)  # before any split: pipeline stages share the model's config
         if self.config.pp_size > 1:
             model = build_pipeline(model, self.mesh, self.config, self.accelerator.device)
         else:
             parallelize(model, self.mesh)
-            model._nd_parallel_loss = GlobalTokenLoss(model, self.mesh["dp_cp"].get_group())
+            mesh = self.mesh
+            model._nd_parallel_loss = GlobalTokenLoss(model, mesh["dp_cp"].get_group(), mesh["dp"].get_group())
+            if self.config.cp_size > 1:
+                model._nd_parallel_cp = SequenceSharding(model, cp_runtime(mesh, self.config))
         if lazy is not None:  # split and sharded on meta: now each rank reads only the pieces it owns
             self.loading_report = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
         # Old parameter -> the parameter(s) now standing for it on this rank (none: another stage owns it;
