@@ -20,13 +20,14 @@ WORKER = "tests/distributed/loading_worker.py"
 WORLD = 4
 SLACK = 0.1  # of the checkpoint: tensors that stay whole on a rank (norms under TP, small rows under PP)
 
-# name -> (model key, ParallelismConfig kwargs, ranks that share the weights: dp_shard * tp * pp)
+# name -> (model key, ParallelismConfig kwargs, ranks that share the weights: dp_shard * cp * tp * pp)
 LAYOUTS = {
     "fsdp4-llama_sharded_files": ("llama_multi", dict(dp_shard_size=4), 4),
     "fsdp2_tp2-qwen3_uneven": ("qwen3_uneven", dict(dp_shard_size=2, tp_size=2), 4),
     "hsdp2x2-mistral": ("mistral", dict(dp_replicate_size=2, dp_shard_size=2), 2),
     "pp2_tp2-llama": ("llama_4l", dict(pp_size=2, tp_size=2), 4),
     "pp2_fsdp2-qwen3": ("qwen3_4l", dict(pp_size=2, dp_shard_size=2), 4),
+    "cp2_fsdp2-mistral": ("mistral", dict(cp_size=2, dp_shard_size=2), 4),  # FSDP shards over dp_shard x cp
 }
 
 
