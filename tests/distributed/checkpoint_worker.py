@@ -29,54 +29,63 @@ def _collate(samples):
 
 
 def setup(spec: dict, name: str, seed: int):
-    from transformers import AutoModelForCausalLM
-
     layout = spec["layouts"][name]
     torch.manual_seed(seed)  # seeds the shuffling generator Accelerate gives the sampler at prepare
     accelerator = Accelerator()
-    NDParallelPlugin(ParallelismConfig(**layout["config"])).attach(accelerator)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    plugin = NDParallelPlugin(ParallelismConfig(**layout["config"])).attach(accelerator)
+    model = plugin.from_pretrained(spec["model"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 20)
     samples = make_samples(**spec["samples"])
     k = layout["shift"]  # each layout trains on its own order, so that its checkpoint differs from the others
     loader = DataLoader(samples[k:] + samples[:k], batch_size=spec["per_rank"], shuffle=True, collate_fn=_collate)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    return accelerator, model, opt, loader, sched
+    return Run(accelerator, *accelerator.prepare(model, opt, loader, sched))
 
 
-def train(accelerator, model, opt, loader, sched, steps: int) -> list[float]:
-    """``steps`` optimizer steps, over epoch ends; stops right after the last one (no batch fetched ahead)."""
-    losses = []
-    while len(losses) < steps:
-        for batch in loader:
-            out = model(**batch)
-            accelerator.backward(out.loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
+class Run:
+    """A prepared run and its place in the data: ``steps(n)`` goes on from where the last call stopped, the way one
+    ``for`` loop over epochs would (a new ``for`` over the loader would start the epoch again)."""
+
+    def __init__(self, accelerator, model, opt, loader, sched):
+        self.accelerator, self.model, self.opt, self.loader, self.sched = accelerator, model, opt, loader, sched
+        self.batches = None
+
+    def steps(self, n: int) -> list[float]:
+        losses = []
+        while len(losses) < n:
+            if self.batches is None:
+                self.batches = iter(self.loader)
+            try:
+                batch = next(self.batches)
+            except StopIteration:  # end of an epoch: the next one starts
+                self.batches = None
+                continue
+            out = self.model(**batch)
+            self.accelerator.backward(out.loss)
+            self.accelerator.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad()
             losses.append(out.loss.item())
-            if len(losses) == steps:
-                break
-    return losses
+        return losses
 
 
 def save_phase(spec: dict) -> None:
     n = spec["steps"]
     for name in spec["save"]:
         layout = spec["layouts"][name]
-        acc, model, opt, loader, sched = setup(spec, name, seed=0)
-        result = {"first": train(acc, model, opt, loader, sched, n)}
+        run = setup(spec, name, seed=0)
+        acc = run.accelerator
+        result = {"first": run.steps(n)}
         acc.save_state(f"{spec['ckpt']}/{name}")
-        result["state"] = full_state(acc, model, opt)
-        result["sched"] = sched.state_dict()
+        result["state"] = full_state(acc, run.model, run.opt)
+        result["sched"] = run.sched.state_dict()
         if layout["export"]:
-            acc.save_model(model, f"{spec['out']}/export_{name}", max_shard_size=layout["export"])
+            acc.save_model(run.model, f"{spec['out']}/export_{name}", max_shard_size=layout["export"])
         if layout["resume"]:  # the same run goes on: saving must not have changed anything it depends on
-            result["uninterrupted"] = result["first"] + train(acc, model, opt, loader, sched, n)
+            result["uninterrupted"] = result["first"] + run.steps(n)
         if layout.get("never_saved"):  # and a run that never saved at all, to show exactly that
-            result["never_saved"] = train(*setup(spec, name, seed=0), 2 * n)
+            result["never_saved"] = setup(spec, name, seed=0).steps(2 * n)
         if acc.is_main_process:
             torch.save(result, f"{spec['out']}/save_{name}.pt")
         acc.wait_for_everyone()
@@ -85,16 +94,17 @@ def save_phase(spec: dict) -> None:
 def load_phase(spec: dict) -> None:
     n = spec["steps"]
     for name in spec["load"]:
-        acc, model, opt, loader, sched = setup(spec, name, seed=1234)  # another seed: load_state restores the order
+        run = setup(spec, name, seed=1234)  # another seed: load_state restores the data order
+        acc = run.accelerator
         result = {}
         if spec["layouts"][name]["resume"]:
             acc.load_state(f"{spec['ckpt']}/{name}")
-            result["resumed"] = train(acc, model, opt, loader, sched, n)
+            result["resumed"] = run.steps(n)
         for ckpt in spec["checkpoints"]:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 acc.load_state(f"{spec['ckpt']}/{ckpt}")
-            result[ckpt] = {"state": full_state(acc, model, opt), "sched": sched.state_dict(),
+            result[ckpt] = {"state": full_state(acc, run.model, run.opt), "sched": run.sched.state_dict(),
                             "warnings": [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]}
         if acc.is_main_process:
             torch.save(result, f"{spec['out']}/load_{name}.pt")
