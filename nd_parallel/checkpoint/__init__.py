@@ -13,4 +13,5 @@ from .export import export_checkpoint, full_state, save_model
 from .format import CheckpointError
 from .state import load_state, save_state
 
-__all__ = ["CheckpointError", "CheckpointWarning", "export_checkpoint", "full_state", "load_state", "save_model", "save_state"]
+__all__ = ["CheckpointError", "CheckpointWarning", "export_checkpoint", "full_state", "load_state", "save_model",
+           "save_state"]

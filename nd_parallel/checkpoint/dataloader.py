@@ -130,7 +130,8 @@ def samples_per_step(loader) -> int | None:
 
 def describe(loader, dp_size: int) -> dict:
     pos = position(loader) or Position(epoch=getattr(loader, "iteration", 0))
-    return {"epoch": pos.epoch, "batches": pos.batches, "dp_size": dp_size, "samples_per_step": samples_per_step(loader)}
+    return {"epoch": pos.epoch, "batches": pos.batches, "dp_size": dp_size,
+            "samples_per_step": samples_per_step(loader)}
 
 
 def resume_at(saved: dict, loader, dp_size: int, index: int) -> int:
@@ -146,7 +147,7 @@ def resume_at(saved: dict, loader, dp_size: int, index: int) -> int:
         return batches
     consumed = batches * old_step
     new_batches, repeated = divmod(consumed, new_step)
-    note = (f"exactly where the saved run stopped" if not repeated else
+    note = ("exactly where the saved run stopped" if not repeated else
             f"{repeated} samples already seen are seen again (never skipped)")
     warnings.warn(
         f"dataloader {index}: the checkpoint was saved with {old_dp} data-parallel ranks ({old_step} samples per "

@@ -82,7 +82,8 @@ class SafetensorsWriter:
         for e in entries:
             if e.dtype not in _DTYPES:
                 raise NotImplementedError(f"{e.name}: dtype {e.dtype} has no safetensors name")
-            header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+            header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
+                              "data_offsets": [offset, offset + e.nbytes]}
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned, as the reference writer does

@@ -205,7 +205,8 @@ def read_marker(path: Path) -> dict:
     try:
         data = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{marker} is unreadable ({err}); the checkpoint is damaged, load an earlier one") from None
+        raise CheckpointError(f"{marker} is unreadable ({err}); the checkpoint is damaged, load an earlier "
+                              "one") from None
     if data.get("format") != FORMAT or not isinstance(data.get("version"), int):
         raise CheckpointError(f"{marker} is not an nd_parallel checkpoint marker (format={data.get('format')!r})")
     if data["version"] > VERSION:

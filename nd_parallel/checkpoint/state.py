@@ -222,9 +222,10 @@ def _validate(accelerator, path: Path, marker: dict, named, metadata) -> None:
     if optim_expected and marker.get("optimizers", 0) == 0:
         raise CheckpointError(f"{path} holds no optimizer state (it was saved without a prepared optimizer); "
                               "prepare the optimizer after load_state, or load a checkpoint saved with one")
-    check_keys(metadata, optim_expected, OPTIM, path, "optimizer")
+    if optim_expected:  # no optimizer prepared (evaluation): its state in the checkpoint is simply not read
+        check_keys(metadata, optim_expected, OPTIM, path, "optimizer")
     for kind, have in (("schedulers", accelerator._schedulers), ("custom_objects", accelerator._custom_objects)):
-        if marker.get(kind, 0) != len(have):
+        if marker.get(kind, 0) < len(have):  # fewer is fine (e.g. evaluation): the others are not read
             raise CheckpointError(f"{path} holds {marker.get(kind, 0)} {kind.replace('_', ' ')}, this run prepared "
                                   f"{len(have)}; prepare/register the same ones as the saved run")
     for rank in range(int(marker["world_size"])):
@@ -252,7 +253,8 @@ def _load_values(values: dict, reader, no_dist: bool, path: Path) -> None:
                 "data that torch.load(weights_only=True) accepts (numbers, strings, lists, tuples, dicts, tensors)"
                 + (f": it holds {culprit.group(1)}" if culprit else "") + "; nothing was loaded. Make that "
                 "state_dict() return plain data") from None
-        raise CheckpointError(f"{path}: reading its non-tensor values failed, nothing was loaded: {text[-500:]}") from None
+        raise CheckpointError(f"{path}: reading its non-tensor values failed, nothing was loaded: "
+                              f"{text[-500:]}") from None
 
 
 def load_state(plugin, input_dir=None, **unused) -> dict:
@@ -304,6 +306,8 @@ def load_state(plugin, input_dir=None, **unused) -> dict:
 
 def _restore_loaders(plugin, marker: dict, rng: dict) -> None:
     loaders, saved = plugin.accelerator._dataloaders, marker.get("dataloaders", [])
+    if not loaders:
+        return
     if len(saved) != len(loaders):
         dl.warnings.warn(f"the checkpoint has {len(saved)} dataloader positions, this run prepared {len(loaders)} "
                          "dataloaders: none is repositioned (iterate from the start or skip batches yourself)",

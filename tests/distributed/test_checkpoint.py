@@ -75,7 +75,8 @@ def matrix(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoint")
     model_dir = save_tiny_model("llama", root / "model", num_hidden_layers=2)
     spec = {"model": str(model_dir), "samples": SAMPLES, "steps": STEPS, "per_rank": 2, "ckpt": str(root / "ckpt"),
-            "out": str(root), "layouts": {n: {k: v for k, v in lay.items() if k != "world"} for n, lay in LAYOUTS.items()},
+            "out": str(root),
+            "layouts": {n: {k: v for k, v in lay.items() if k != "world"} for n, lay in LAYOUTS.items()},
             "checkpoints": NAMES}
     for phase in ("save", "load"):
         for world in WORLDS:

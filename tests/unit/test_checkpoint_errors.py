@@ -81,6 +81,21 @@ def test_good_checkpoint_loads(fresh, good):
     assert marker["optimizer_step"] == 2 and marker["world_size"] == 1 and opt.optimizer.state
 
 
+def test_model_alone_loads_from_a_training_state(models, good):
+    """Evaluation: only the model prepared; optimizer, scheduler and data position in the checkpoint are skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.checkpoint.export import read_tensors
+
+    accelerator = Accelerator()
+    NDParallelPlugin(ParallelismConfig()).attach(accelerator)
+    model = accelerator.prepare(AutoModelForCausalLM.from_pretrained(models["llama"]))
+    accelerator.load_state(good)
+    saved = dict(read_tensors(good))
+    assert set(saved) | {"lm_head.weight"} == set(model.state_dict())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
 def test_checkpoint_of_another_model(models, good):
     accelerator, model, opt, _ = run(models["qwen3"], steps=0)
     msg = refused(accelerator, model, opt, good, "does not match the model being loaded")
