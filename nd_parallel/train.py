@@ -224,20 +224,14 @@ def checkpoint_numel(model_dir: str) -> int:
 
 
 def save_hf(accelerator, model, output_dir: str, tokenizer_dir: str | None = None) -> None:
-    """Full checkpoint that AutoModelForCausalLM.from_pretrained(output_dir) loads; collective, main writes."""
-    from safetensors.torch import save_file
+    """Full checkpoint that AutoModelForCausalLM.from_pretrained(output_dir) loads; collective, main writes.
 
-    state = accelerator.get_state_dict(model)
+    accelerator.save_model under the plugin gathers and writes one tensor at a time (checkpoint/export.py), so
+    the whole model is never held by one rank.
+    """
+    accelerator.save_model(model, output_dir)
     if not accelerator.is_main_process:
         return
-    # A tied weight appears under two names; safetensors refuses shared storage, and from_pretrained
-    # re-ties the dropped name from the config.
-    unique = {name for name, _ in model.named_parameters()}
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
-    state = {k: v.detach().cpu().contiguous() for k, v in state.items() if k not in tied}
-    os.makedirs(output_dir, exist_ok=True)
-    model.config.save_pretrained(output_dir)
-    save_file(state, os.path.join(output_dir, "model.safetensors"), metadata={"format": "pt"})
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     if tokenizer is not None:  # so that the output directory is a complete checkpoint
         tokenizer.save_pretrained(output_dir)

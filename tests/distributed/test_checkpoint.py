@@ -52,6 +52,7 @@ LAYOUTS = {
     "hsdp2x2": L(4, dp_replicate_size=2, dp_shard_size=2),
     "fsdp2_tp2": L(4, resume=True, export="10GB", dp_shard_size=2, tp_size=2),
     "pp2_fsdp2": L(4, pp_size=2, dp_shard_size=2),
+    "cp2": L(2, resume=True, cp_size=2),  # sequence split: weights sharded over cp, the RNG and data shared
 }
 for _i, _layout in enumerate(LAYOUTS.values()):
     _layout["shift"] = 3 * _i
