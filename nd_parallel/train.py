@@ -318,7 +318,7 @@ def run_rank(job: dict) -> dict | None:
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(**job["layout"])).attach(accelerator)
-    samples = job["samples"] if isinstance(job["samples"], list) else torch.load(job["samples"])
+    samples = job["samples"] if isinstance(job["samples"], list) else torch.load(job["samples"], weights_only=True)
     with _progress(accelerator, job["steps"], job["name"]) as bar:
         losses, norms, state, optimizer = (_demo if job["kind"] == "demo" else _train)(
             accelerator, plugin, job, samples, bar)
