@@ -52,7 +52,9 @@ LAYOUTS = {
     "hsdp2x2": L(4, dp_replicate_size=2, dp_shard_size=2),
     "fsdp2_tp2": L(4, resume=True, export="10GB", dp_shard_size=2, tp_size=2),
     "pp2_fsdp2": L(4, pp_size=2, dp_shard_size=2),
-    "cp2": L(2, resume=True, cp_size=2),  # sequence split: weights sharded over cp, the RNG and data shared
+    "cp2": L(2, resume=True, cp_size=2),
+    # two stages per rank (virtual stages): names and both tied copies come from two stage modules on one rank
+    "pp2_interleaved": L(2, resume=True, pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),  # sequence split: weights sharded over cp, the RNG and data shared
 }
 for _i, _layout in enumerate(LAYOUTS.values()):
     _layout["shift"] = 3 * _i
@@ -74,7 +76,7 @@ def matrix(tmp_path_factory):
     import checkpoint_worker as worker
 
     root = tmp_path_factory.mktemp("checkpoint")
-    model_dir = save_tiny_model("llama", root / "model", num_hidden_layers=2)
+    model_dir = save_tiny_model("llama", root / "model", num_hidden_layers=4)  # 4: interleaved PP needs 4 stages
     spec = {"model": str(model_dir), "samples": SAMPLES, "steps": STEPS, "per_rank": 2, "ckpt": str(root / "ckpt"),
             "out": str(root),
             "layouts": {n: {k: v for k, v in lay.items() if k != "world"} for n, lay in LAYOUTS.items()},
