@@ -169,7 +169,7 @@ def check_model(model: nn.Module, config, device_type: str) -> None:
             f"{name} computes attention in its own code instead of dispatching through transformers' "
             "AttentionInterface, so context parallelism cannot replace it; use cp_size=1 for this model"
         )
-    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()) is False:
+    if not any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
         raise NotImplementedError(
             f"{name}.forward takes no **kwargs, so it cannot hand its loss the pre-shifted labels context parallelism "
             "needs (shift_labels); use cp_size=1 for this model"
