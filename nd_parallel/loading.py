@@ -74,6 +74,12 @@ class LazyCheckpoint:
     tensors: Tensors
     names: dict[str, str]  # model state-dict name (every alias of a tied weight) -> checkpoint key
     unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for
+    # Tensors that are not in the checkpoint but known in full on every rank (a fresh PEFT adapter's init):
+    # model name -> full tensor; each rank copies its own box of it, like a checkpoint read.
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def initial_tensors(self) -> list[torch.Tensor]:
+        return [self.initial[k] for k in sorted(self.initial)]
 
 
 @dataclass
@@ -422,11 +428,17 @@ def load_local_shards(modules: list[nn.Module], lazy: LazyCheckpoint, device: to
                 if id(param) in done:  # a tied weight: one parameter under two names
                     continue
                 done.add(id(param))
+                if name in lazy.initial:
+                    local, box = local_box(param)
+                    local.copy_(lazy.initial[name][box])
+                    report.tensors += 1
+                    continue
                 if name not in lazy.names:
                     raise RuntimeError(
                         f"parameter '{name}' has no checkpoint tensor: it was not in the model from_pretrained built "
-                        "on the meta device. To change the model before prepare (e.g. wrap it with PEFT), load it "
-                        "with plugin.from_pretrained(path, memory_efficient=False)")
+                        "on the meta device. To wrap it with PEFT, pass plugin.from_pretrained(path, peft_config=...); "
+                        "for other changes before prepare, load it with plugin.from_pretrained(path, "
+                        "memory_efficient=False)")
                 report.bytes_read += read_into(param, lazy.tensors, lazy.names[name])
                 report.tensors += 1
             for name, buf in module.named_buffers(remove_duplicate=False):

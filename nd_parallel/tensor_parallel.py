@@ -25,6 +25,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .adapters import KeepRequiresGrad, expand_plan
+
 logger = logging.getLogger(__name__)
 
 
@@ -112,6 +114,11 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return matched
 
 
+def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
+    """PEFT adapters on modules the plan shards must be splittable (checked before any collective)."""
+    expand_plan(model, match_plan(model, resolve_plan(model, overrides)))
+
+
 def check_divisibility(model: nn.Module, tp_size: int) -> None:
     """Refuse tp sizes that do not split the attention heads evenly (checked before any collective)."""
     cfg = _text_config(model)
@@ -173,9 +180,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
             f"no module of {type(model).__name__} matches its tp_plan {sorted(plan)}; check the override names"
         )
     matched = _vocab_entries(model, plan, matched, tp_size)
+    # A plan names HF modules; where PEFT wrapped one, its base layer takes the style and the adapter follows it.
+    matched = expand_plan(model, matched)
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", 1)
-    parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in matched.items()})
+    with KeepRequiresGrad(model):
+        parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in matched.items()})
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.

@@ -212,8 +212,13 @@ def full_state(accelerator, model, optimizer=None) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in gather_one_by_one(accelerator, named.flat, entries, holders)}
 
 
-def save_model(plugin, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> Path:
-    """``accelerator.save_model`` under the plugin: every rank takes part, the main process writes."""
+def save_model(plugin, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True,
+               merge_adapter: bool = False) -> Path:
+    """``accelerator.save_model`` under the plugin: every rank takes part, the main process writes.
+
+    A PEFT model writes its adapter, or with ``merge_adapter=True`` the merged model (adapter.py)."""
+    from ..adapters import peft_wrapper
+
     if not safe_serialization:
         raise ValueError("safe_serialization=False would write pickled weights; nd_parallel writes safetensors "
                          "only: drop the argument")
@@ -221,6 +226,14 @@ def save_model(plugin, model, save_directory, max_shard_size="10GB", safe_serial
     out_dir = Path(os.path.expanduser(str(save_directory)))
     if out_dir.is_file():
         raise ValueError(f"save_model: {out_dir} is a file; pass a directory")
+    if merge_adapter and peft_wrapper(model) is None:
+        raise ValueError(f"save_model(merge_adapter=True): {type(model).__name__} carries no PEFT adapter; "
+                         "drop merge_adapter")
+    if peft_wrapper(model) is not None:
+        from .adapter import save_adapter, save_merged
+
+        return save_merged(plugin, model, out_dir, max_shard_size) if merge_adapter else save_adapter(
+            plugin, model, out_dir)
     main = accelerator.is_main_process
     distributed = dist.is_initialized() and accelerator.num_processes > 1
     local = {k[len(MODEL) + 1:]: v for k, v in named_state(model).flat.items()}

@@ -48,6 +48,9 @@ def _merge(modules: list[nn.Module]) -> nn.Module:
 
 def hf_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(HF-named module for state dicts, an HF model object for config / tied keys) of a prepared model."""
+    from ..adapters import base_of
+
+    model = base_of(model)  # a PeftModel is stored under the names of the HF model inside it (LoRA included)
     stages = getattr(model, "stages", None)
     if stages is None:
         return model, model

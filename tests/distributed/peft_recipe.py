@@ -1,0 +1,83 @@
+"""The LoRA parity recipe shared by the rank program (peft_worker.py) and the single-process reference.
+
+A LoRA adapter on every attention and MLP projection (column-wise and row-wise bases under TP), no dropout (so
+ranks draw no random numbers), trained with AdamW on the adapter only. Two ways to get the model, both with the
+adapter init fixed by the torch seed:
+- "wrap": the user's path, ``get_peft_model`` on a loaded model before ``prepare``;
+- "load": ``plugin.from_pretrained(path, peft_config=...)``, memory-efficient (each rank reads its slices).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nd_parallel.parity import Recipe, RunResult, _collate
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SEED = 1234
+
+
+def lora_config(**overrides):
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": TARGETS,
+                         "task_type": "CAUSAL_LM", **overrides})
+
+
+def reference_model(model_dir, how: str):
+    """One process, no plugin: the model the layouts must match."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.adapters import build_meta_peft_model
+    from nd_parallel.loading import lazy_checkpoint, load_local_shards
+
+    torch.manual_seed(SEED)
+    if how == "wrap":
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        torch.manual_seed(SEED)
+        return get_peft_model(model, lora_config())
+    model = build_meta_peft_model(model_dir, lora_config())
+    inner = model.get_base_model()
+    load_local_shards([inner], lazy_checkpoint(inner), torch.device("cpu"))
+    return model
+
+
+def layout_model(plugin, model_dir, how: str):
+    from peft import get_peft_model
+
+    torch.manual_seed(SEED)
+    if how == "wrap":
+        model = plugin.from_pretrained(model_dir, memory_efficient=False)
+        torch.manual_seed(SEED)
+        return get_peft_model(model, lora_config())
+    return plugin.from_pretrained(model_dir, peft_config=lora_config())
+
+
+def optimizer_and_schedule(model, recipe: Recipe):
+    # Every parameter goes in, as a user who forgets to filter would do: frozen ones must get no state.
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))
+    return opt, sched
+
+
+def train_reference(model_dir, how, samples, dp_size: int, recipe: Recipe) -> RunResult:
+    from torch.utils.data import DataLoader
+
+    model = reference_model(model_dir, how)
+    model.train()
+    opt, sched = optimizer_and_schedule(model, recipe)
+    loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
+    result = RunResult()
+    for step, batch in enumerate(loader):
+        if step == recipe.steps:
+            break
+        loss = model(**batch).loss
+        loss.backward()
+        result.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm).item())
+        result.losses.append(loss.item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return result
