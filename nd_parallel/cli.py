@@ -62,12 +62,19 @@ class TrainConfig:
     """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
     parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The layout: built from the parallel keys (PARALLEL_KEYS) of the same file."""
+    layout: str | None = None
+    """"auto": the planner's top layout for the ranks launched (plan_cli.auto_train_layout). Default None."""
+    lr_scaling: str | None = None
+    """"linear" or "sqrt": scale learning_rate from base_batch_size to the global batch. Default None = as given."""
+    base_batch_size: int | None = None
+    """The global batch learning_rate was tuned at (with lr_scaling). Default None."""
 
 
 # key -> (type, bound, how a value compares with the bound)
 _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
            "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (int, 0, ">="), "seed": (int, 0, ">="),
-           "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">")}
+           "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">"),
+           "base_batch_size": (int, 1, ">=")}
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel") | {"dataset_path"}
 
 
@@ -118,6 +125,12 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     if "base_model" not in data:
         raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
                           "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
+    if data.get("layout", "auto") != "auto" or data.get("lr_scaling", "linear") not in ("linear", "sqrt"):
+        raise ConfigError(f"{path}: layout={data.get('layout')!r} / lr_scaling={data.get('lr_scaling')!r}; "
+                          "write 'layout: auto' (or leave it out) and 'lr_scaling: linear' or 'sqrt'")
+    if data.get("layout") == "auto" and set(data) & (PARALLEL_KEYS - {"pp_backend", "cp_backend", "tp_plan"}):
+        raise ConfigError(f"{path}: layout: auto chooses the layout, but the file also sets "
+                          f"{', '.join(sorted(set(data) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     for key in ("base_model", "output_dir", "lr_scheduler"):
         if key in data and not isinstance(data[key], str):
             raise ConfigError(f"{path}: {key}={data[key]!r} is a {type(data[key]).__name__}; write a string")
@@ -313,7 +326,18 @@ def cmd_train(args) -> int:
         raise ConfigError(f"{args.config}: gradient_accumulation_steps={cfg.gradient_accumulation_steps} with "
                           "pp_backend='deepspeed': the pipeline already splits each step into micro-batches; set "
                           "gradient_accumulation_steps: 1 and raise pp_microbatches, or use pp_backend='torch'")
+    if cfg.layout == "auto":  # the planner's top plan for the ranks launched (plan_cli.py)
+        from .plan_cli import auto_train_layout
+
+        nproc_auto = int(os.environ["WORLD_SIZE"]) if _inside_launched_rank() else args.nproc
+        use_cuda = not args.cpu and torch.cuda.is_available()
+        cfg.parallel, _ = auto_train_layout(cfg, args.config, nproc_auto, "cuda" if use_cuda else "cpu")
     config, nproc, device = choose_ranks(cfg.parallel, args.nproc, args.cpu, cpu_fallback=False)
+    if cfg.lr_scaling:
+        from .plan_cli import scaled_learning_rate
+
+        cfg.learning_rate = scaled_learning_rate(
+            cfg, args.config, cfg.micro_batch_size * cfg.gradient_accumulation_steps * config.dp_size)
     samples, how = build_samples(cfg.base_model, cfg.datasets, cfg.sequence_len)
     per_micro = cfg.micro_batch_size * config.dp_size
     if len(samples) < per_micro:
@@ -408,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("output", help="directory for config.json + *.safetensors (from_pretrained loads it)")
     export.add_argument("--max-shard-size", default="10GB", help="largest safetensors file (default 10GB)")
     export.set_defaults(func=cmd_export)
+    from .plan_cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

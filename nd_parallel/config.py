@@ -264,6 +264,32 @@ class ParallelismConfig:
         """Build from PARALLELISM_CONFIG_* (default os.environ); unset ones keep their defaults."""
         return cls.from_dict(cls.env_overrides(environ), source="PARALLELISM_CONFIG_* variables")
 
+    @classmethod
+    def auto(cls, model: Any, *, seq_len: int, global_batch: int, world_size: int | None = None,
+             gpus_per_node: int | None = None, gpu_memory: int | str | None = None, dtype: str = "bf16",
+             lora_rank: int | None = None, **cluster: Any) -> ParallelismConfig:
+        """The layout planner's top plan (nd_parallel.planner) for the ranks actually launched.
+
+        `model`: a checkpoint directory, a config.json, a model (meta or real) or a planner ModelSpec.
+        `world_size` defaults to WORLD_SIZE and `gpus_per_node` to LOCAL_WORLD_SIZE (both set by the launcher),
+        `gpu_memory` to the device's memory ("80GiB" or bytes); `cluster` passes the planner's Cluster fields
+        (intra_bw, inter_bw, flops, ...). The chosen plan (micro-batch, accumulation, predicted peak memory and
+        step time) is kept as `config.plan`. A request nothing fits raises ConfigError with the planner's hint.
+        """
+        from .planner import PlannerError
+        from .planner.auto import config_kwargs, fields_of, top_plan
+
+        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        per_node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        try:
+            plan = top_plan(model, world_size=world, seq_len=seq_len, global_batch=global_batch,
+                            gpus_per_node=per_node, gpu_memory=gpu_memory, dtype=dtype, lora_rank=lora_rank, **cluster)
+            config = cls(**config_kwargs(plan, fields_of(cls)))
+        except PlannerError as err:
+            raise ConfigError(f"ParallelismConfig.auto: {err}") from None
+        config.plan = plan
+        return config
+
     @staticmethod
     def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         """The settings the PARALLELISM_CONFIG_* variables give, as a dict (e.g. for `merge`).

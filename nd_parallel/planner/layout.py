@@ -1,0 +1,105 @@
+"""The planner's inputs and candidates as typed records: the training job, the cluster, one layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKPOINTING = ("none", "selective", "full")
+DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What is trained: sequence, batch, precision, adapter."""
+
+    seq_len: int
+    """Tokens per sample."""
+    global_batch: int
+    """Samples per optimizer step over all data-parallel ranks."""
+    dtype: str = "bf16"
+    """"bf16": mixed precision (fp32 master weights and AdamW state, bf16 compute, fp32 gradient reduction);
+    "fp32": everything in fp32."""
+    lora_rank: int | None = None
+    """LoRA rank: the base model is frozen (no grads, no optimizer state); None = full fine-tuning."""
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations and of the weights the matmuls read."""
+        return 2 if self.dtype == "bf16" else 4
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: how many, how much memory, how fast they compute and talk."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int
+    """Bytes usable per device."""
+    intra_bw: float = 400e9
+    """Bytes/s per device inside a node (NVLink)."""
+    inter_bw: float = 50e9
+    """Bytes/s per device across nodes (the NIC share of one GPU)."""
+    flops: float = 989e12
+    """Peak dense FLOP/s per device at the compute dtype."""
+    efficiency: float = 0.45
+    """Fraction of `flops` matmuls achieve (model FLOPs utilisation of the compute alone)."""
+    mem_bw: float = 3.35e12
+    """Device memory bandwidth, bytes/s: elementwise ops, the softmax, the optimizer step."""
+    latency: float = 20e-6
+    """Fixed cost of one collective or send, seconds."""
+    device: str = "cuda"
+    """"cuda" (foreach AdamW, FSDP prefetches one layer ahead) or "cpu" (gloo ranks: the validation runs)."""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the five sizes and the knobs that only change memory and time."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    micro_batch: int = 1
+    """Samples per forward on one data-parallel rank."""
+    microbatches: int = 1
+    """Forwards per optimizer step on one data-parallel rank: pp micro-batches, or gradient accumulation."""
+    schedule: str | None = None
+    """Pipeline schedule (pp > 1 only)."""
+    virtual: int = 1
+    """Pipeline stages per rank."""
+    checkpointing: str = "none"
+    """Activation checkpointing: "none", "selective" (save matmul/attention outputs) or "full" (layer inputs)."""
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shard(self) -> int:
+        """Ranks FSDP shards weights, grads and optimizer state over: dp_shard x cp (cp ranks hold equal weights)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> bool:
+        """fully_shard is applied (also for a shard group of one under HSDP, which still gathers a copy)."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+    def sizes(self) -> dict[str, int]:
+        """The ParallelismConfig size fields."""
+        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard, "tp_size": self.tp,
+                "cp_size": self.cp, "pp_size": self.pp}
+
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("rep", self.dp_replicate), ("shard", self.dp_shard), ("tp", self.tp),
+                                        ("cp", self.cp), ("pp", self.pp)) if v > 1]
+        return "x".join(parts) or "single"

@@ -1,0 +1,179 @@
+"""Peak memory per rank: model states by their sharding factors, activations per layer, logits, buffers.
+
+Activations follow the per-layer accounting of Korthikanti et al. (2022), "Reducing Activation Recomputation
+in Large Transformer Models" (sbh(34 + 5as/h) bytes for GPT-3 in fp16), redone for the layers we actually run:
+- attention through SDPA/flash (or our CP ring kernel) saves q, k, v, the output and a fp32 log-sum-exp per
+  head, never the s x s scores (the 5as/h term disappears);
+- GQA: k and v are saved un-expanded (kv_heads x head_dim wide);
+- gated MLPs save gate, up, act(gate) and act(gate)*up (4f instead of 2f + dropout);
+- RMSNorm in transformers upcasts to fp32: per norm it saves the fp32 input, the normalised value (for the
+  weight's gradient, absent when the weight is frozen) and the output the next Linear saves;
+- no dropout (HF decoders train with p=0), TP without sequence parallelism: norms and the residual stream are
+  replicated over tp, attention and MLP internals are split.
+Checkpointing: "full" keeps one input per layer and recomputes one layer at a time in backward; "selective"
+keeps the outputs of every matmul and of attention and recomputes norms, activations and elementwise ops.
+
+The logits: HF's loss upcasts them to fp32 and log_softmax saves its fp32 output; at the start of backward the
+logits, that output, its gradient and the logits' gradient are alive together (16 bytes per token per vocab
+entry in fp32, 14 in bf16: the held logits are bf16).
+
+The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
+the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
+step's temporary). The reported breakdown is the one at that moment, so it sums to the peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..pipeline.split import uniform_layers
+from .layout import Cluster, Layout, Training
+from .spec import ModelSpec
+
+FP32 = 4
+
+
+@dataclass
+class RankMemory:
+    """Bytes on one rank at its peak, by component (they sum to `peak`)."""
+
+    pp_rank: int
+    phase: str
+    parts: dict[str, int] = field(default_factory=dict)
+    layout: Layout | None = None
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+
+def _norm_bytes(train: Training) -> int:
+    """Bytes one RMSNorm saves per normalised element (see the module docstring), plus nothing for rsqrt."""
+    frozen = train.lora_rank is not None
+    if train.dtype == "fp32":
+        return 8 if frozen else 12  # x, (x*rsqrt for the weight's grad), weight*x*rsqrt
+    return 6 if frozen else 8  # fp32 x, (bf16 x*rsqrt), bf16 output
+
+
+def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str) -> tuple[float, float]:
+    """(bytes saved per token per layer, extra bytes alive per token while one layer is recomputed)."""
+    b = train.compute_bytes
+    h, q, kv, f = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
+    mlp_tensors = 4 if spec.gated_mlp else 2
+    norm = _norm_bytes(train)
+    norms = 2 * (norm * h + FP32)  # + the fp32 rsqrt per token
+    if spec.qk_norm:
+        norms += norm * (q + kv)
+    attention = b * (q + 2 * kv + q) + FP32 * spec.heads / tp  # q, k, v, out (o_proj's input shares it), lse
+    full_layer = norms + attention + b * mlp_tensors * f
+    if mode == "none":
+        return full_layer, 0.0
+    if mode == "full":
+        return b * h, full_layer
+    # selective: layer input, q/k/v, attention out + lse, o_proj out, the MLP's up-projections, down out
+    saved = b * h + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h + b * f * (mlp_tensors // 2) + b * h
+    return saved, max(full_layer - saved, 0.0)
+
+
+def logits_bytes_per_token(spec: ModelSpec, train: Training) -> tuple[int, int]:
+    """(bytes per token at the loss's backward, bytes per token held afterwards: the logits themselves)."""
+    held = train.compute_bytes * spec.vocab
+    return held + 3 * FP32 * spec.vocab, held
+
+
+def stages_of_rank(layout: Layout, rank: int) -> list[int]:
+    """Stage indices pipeline rank `rank` runs (round-robin, or V-shaped for zbv)."""
+    if layout.schedule == "zbv":
+        return [rank, 2 * layout.pp - 1 - rank]
+    return [rank + k * layout.pp for k in range(layout.virtual)]
+
+
+def inflight(layout: Layout, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at its peak, in units of its whole share."""
+    p, m, v = layout.pp, layout.microbatches, layout.virtual
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule in ("interleaved-1f1b", "interleaved-zb"):
+        # torch's warm-up: (v-1)*p + 2*(p-1-rank) chunk forwards, +1 in steady state; a chunk is 1/v of the share
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    return float(min(m, p - rank))  # 1f1b, zbv (ZB-V keeps 1F1B's peak)
+
+
+def _tp_split(count: int, sharded: bool, tp: int, vocab: int) -> float:
+    return count / tp if sharded and vocab % tp == 0 else count
+
+
+def rank_params(spec: ModelSpec, layout: Layout, rank: int) -> tuple[float, float, float]:
+    """(parameters this pp rank holds before FSDP, of which in decoder layers, of which embedding/head)."""
+    num_stages = layout.pp * layout.virtual
+    counts = uniform_layers(spec.num_layers, num_stages)
+    tp = layout.tp
+    per_layer = spec.layer_tp_params / tp + spec.layer_params - spec.layer_tp_params
+    layers = outer = 0.0
+    for stage in stages_of_rank(layout, rank):
+        layers += counts[stage] * per_layer
+        if stage == 0:
+            outer += spec.pre_params - spec.vocab * spec.hidden + _tp_split(spec.vocab * spec.hidden,
+                                                                         spec.embed_tp_sharded, tp, spec.vocab)
+        if stage == num_stages - 1:
+            head = _tp_split(spec.head_params, spec.head_tp_sharded, tp, spec.vocab)
+            outer += spec.post_params - (0 if spec.tied else spec.head_params) + head
+            if spec.tied and num_stages == 1:
+                outer -= head  # one shared weight, already counted with the embedding
+    return layers + outer, layers, outer
+
+
+def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster, rank: int) -> RankMemory:
+    """The peak of pipeline rank `rank` and its breakdown (see the module docstring)."""
+    b = train.compute_bytes
+    p = layout.pp
+    num_stages = p * layout.virtual
+    counts = uniform_layers(spec.num_layers, num_stages)
+    stages = stages_of_rank(layout, rank)
+    total, _, outer = rank_params(spec, layout, rank)
+    shard = layout.shard if layout.fsdp else 1
+    params = FP32 * total / shard
+    n_layers = sum(counts[s] for s in stages)
+    if train.lora_rank is None:
+        trainable = total / shard
+    else:
+        trainable = n_layers * spec.lora_layer_params(train.lora_rank) / shard
+    grads, optimizer = FP32 * trainable, 2 * FP32 * trainable
+    tokens = layout.micro_batch * train.seq_len / layout.cp  # per rank per micro-batch
+    saved, recompute = layer_activation_bytes(spec, train, layout.tp, layout.checkpointing)
+    flight = inflight(layout, rank)
+    has_last = num_stages - 1 in stages
+    final_norm = (_norm_bytes(train) * spec.hidden + FP32) if has_last else 0
+    activations = flight * tokens * (n_layers * saved + final_norm)
+    pipeline = flight * tokens * 2 * b * spec.hidden * len(stages) if p > 1 else 0  # stage output + recv buffer
+    at_loss, held = logits_bytes_per_token(spec, train)
+    logits = tokens * at_loss if has_last else 0
+    held_logits = tokens * held if has_last else 0
+    comm = 0.0
+    if layout.fsdp:  # unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group
+        one_layer = spec.layer_tp_params / layout.tp + spec.layer_params - spec.layer_tp_params
+        comm += b * one_layer * (2 if cluster.device == "cuda" else 1) + b * outer
+    elif train.dtype == "bf16":
+        comm += b * total  # autocast keeps a bf16 copy of every weight it casts until backward ends
+    if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
+        comm += 4 * b * tokens * spec.kv_dim / layout.tp
+    grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0
+    states = {"params": params, "grads": grads_at_peak, "optimizer": optimizer}
+    start = {**states, "activations": activations, "logits": logits, "pipeline_inflight": pipeline,
+             "comm_buffers": comm, "recompute": 0.0}
+    mid = {**start, "logits": held_logits, "recompute": tokens * recompute}
+    largest = spec.largest_param / (layout.tp * shard) if cluster.device == "cpu" else trainable
+    step = {**states, "grads": grads, "optimizer_step": FP32 * largest}
+    phases = {"backward start": start, "backward recompute": mid, "optimizer step": step}
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    return RankMemory(rank, phase, {k: int(v) for k, v in phases[phase].items()})
+
+
+def peak_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> RankMemory:
+    """The busiest pipeline rank's peak (every rank when pp == 1 is alike)."""
+    ranks = [rank_memory(spec, train, layout, cluster, r) for r in range(layout.pp)]
+    busiest = max(ranks, key=lambda m: m.peak)
+    busiest.layout = layout
+    return busiest

@@ -1,0 +1,214 @@
+"""What the planner needs to know about a model, read from the real model built on the meta device.
+
+No weight is read and no memory is allocated: `AutoModelForCausalLM.from_config` runs under
+`torch.device("meta")`, and every count below comes from that module tree (parameter shapes, which modules the
+model's own TP plan shards, which Linears a LoRA adapter would wrap), not from the config's numbers alone. The
+config is only used for what the module tree cannot say (head counts, tied embeddings, max positions).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..pipeline.split import UnsplittableModel, model_parts
+
+
+class PlannerError(ValueError):
+    """Input the planner cannot plan for; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes and parameter counts of a decoder-only causal LM, per part (embedding, one layer, head)."""
+
+    name: str
+    """Model class and source, for reports."""
+    num_layers: int
+    """Decoder layers in the stack the pipeline split cuts."""
+    hidden: int
+    """Width of the residual stream (h)."""
+    heads: int
+    """Attention (query) heads."""
+    kv_heads: int
+    """Key/value heads (GQA: fewer than `heads`)."""
+    head_dim: int
+    """Width of one head."""
+    ffn: int
+    """Width of the MLP's inner projection (f)."""
+    gated_mlp: bool
+    """Three MLP projections (gate, up, down: SwiGLU/GeGLU) rather than two."""
+    qk_norm: bool
+    """Per-head norms on q and k (Qwen3, Gemma3), which save activations of their own."""
+    vocab: int
+    """Rows of the input embedding (= columns of the logits)."""
+    tied: bool
+    """lm_head shares the embedding's weight."""
+    max_positions: int | None
+    """config.max_position_embeddings, or None when the model has no such limit."""
+    layer_params: int
+    """Parameters of one decoder layer (the largest, if they differ)."""
+    layer_tp_params: int
+    """Of those, the ones the model's TP plan shards over tp ranks (the rest are replicated: norms)."""
+    layer_matmul_params: int
+    """Of those, the weights of Linears: 2 FLOPs per weight per token forward."""
+    pre_params: int
+    """Parameters before the stack (embeddings)."""
+    post_params: int
+    """Parameters after it (final norm, and lm_head unless tied)."""
+    head_params: int
+    """lm_head's weight (counted in `post_params` unless tied)."""
+    embed_tp_sharded: bool
+    """The TP plan shards the embedding by vocabulary rows."""
+    head_tp_sharded: bool
+    """The TP plan shards lm_head by vocabulary (colwise with gathered output)."""
+    largest_param: int
+    """Elements of the largest parameter tensor (the single-tensor AdamW step's temporary)."""
+    lora_linears: tuple[tuple[int, int], ...]
+    """(in_features, out_features) of each Linear a LoRA adapter targets in one layer."""
+
+    @property
+    def total_params(self) -> int:
+        return self.pre_params + self.num_layers * self.layer_params + self.post_params
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def lora_layer_params(self, rank: int) -> int:
+        """Trainable parameters a rank-`rank` LoRA adds to one layer: A (r x in) + B (out x r) per target."""
+        return sum(rank * (i + o) for i, o in self.lora_linears)
+
+
+def load_config(model: str):
+    """A transformers config from a checkpoint directory or a config.json path (local files only)."""
+    from transformers import AutoConfig
+
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise PlannerError(f"MODEL={model!r} is a directory without config.json; pass a Hugging Face "
+                               "checkpoint directory or the path of its config.json")
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise PlannerError(f"MODEL={model!r}: cannot read it as JSON ({err}); pass a config.json") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise PlannerError(f"MODEL={model!r} has no 'model_type'; pass a Hugging Face config.json")
+        kind = data.pop("model_type")
+        try:
+            return AutoConfig.for_model(kind, **data)
+        except ValueError as err:
+            raise PlannerError(f"MODEL={model!r}: {err}") from None
+    raise PlannerError(f"MODEL={model!r} does not exist; pass a local checkpoint directory or config.json "
+                       "(the planner reads no hub and no weights)")
+
+
+def meta_model(config) -> nn.Module:
+    """The causal LM built on the meta device: real module tree, no storage."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    try:  # skipping the init functions takes an 8B model from seconds to milliseconds (meta has no values anyway)
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        no_init_weights = contextlib.nullcontext
+    with torch.device("meta"), no_init_weights():
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError as err:
+            raise PlannerError(f"{type(config).__name__} is not a causal LM transformers can build: {err}") from None
+
+
+def _tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's own TP plan (module pattern -> style), with names from the top-level model."""
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = dict(getattr(type(model), "_tp_plan", None) or {})
+        plan.update({(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
+                     for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()})
+    return plan
+
+
+def _matches(plan: dict[str, str], name: str) -> str | None:
+    for pattern, style in plan.items():
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name):
+            return style
+    return None
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _lora_targets(layer: nn.Module, targets: tuple[str, ...] | None) -> tuple[tuple[int, int], ...]:
+    """Linears a LoRA adapter wraps: every Linear of the layer ('all-linear'), or those named in `targets`."""
+    found = []
+    for name, mod in layer.named_modules():
+        if isinstance(mod, nn.Linear) and (targets is None or name.rsplit(".", 1)[-1] in targets):
+            found.append((mod.in_features, mod.out_features))
+    return tuple(found)
+
+
+def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] | None = None) -> ModelSpec:
+    """Read a ModelSpec from a (meta-device) causal LM; PlannerError when its layer stack cannot be found."""
+    try:
+        parts = model_parts(model)
+    except UnsplittableModel as err:
+        raise PlannerError(f"cannot find the decoder-layer stack of {type(model).__name__}: {err}") from None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = model.get_submodule(parts.layers_fqn)
+    plan = _tp_plan(model)
+    layer_prefix = f"{parts.layers_fqn}.0"
+    layer = layers[0]
+    tp_params = sum(_numel(m) for n, m in layer.named_modules()
+                    if n and _matches(plan, f"{layer_prefix}.{n}") in ("colwise", "rowwise", "colwise_rep",
+                                                                       "rowwise_rep", "local_colwise",
+                                                                       "local_rowwise"))
+    matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+    mlp_linears = [m for n, m in layer.named_modules() if "mlp" in n.split(".")[0] and isinstance(m, nn.Linear)]
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    qk_norm = any(n.split(".")[-1] in ("q_norm", "k_norm", "q_layernorm", "k_layernorm") for n, _ in layer.named_modules())
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and emb is not None and head.weight is emb.weight
+    modules = dict(model.named_modules())
+    emb_name = next((n for n, m in modules.items() if m is emb), "")
+    head_name = next((n for n, m in modules.items() if m is head), "")
+    pre = sum(_numel(model.get_submodule(n)) for n in parts.pre)
+    post = sum(_numel(model.get_submodule(n)) for n in parts.post)
+    if tied:  # named_children lists lm_head under `post` although its weight is the embedding's
+        post -= head.weight.numel() if head_name in parts.post else 0
+    ffn = getattr(text, "intermediate_size", None) or max((m.out_features for m in mlp_linears), default=4 * text.hidden_size)
+    return ModelSpec(
+        name=name or type(model).__name__, num_layers=parts.num_layers, hidden=text.hidden_size, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, ffn=ffn,
+        gated_mlp=len(mlp_linears) >= 3, qk_norm=qk_norm, vocab=emb.weight.shape[0], tied=tied,
+        max_positions=getattr(text, "max_position_embeddings", None),
+        layer_params=max(_numel(l) for l in layers), layer_tp_params=tp_params, layer_matmul_params=matmul,
+        pre_params=pre, post_params=post, head_params=head.weight.numel() if head is not None else 0,
+        embed_tp_sharded=_matches(plan, emb_name) is not None,
+        head_tp_sharded=head is not None and _matches(plan, head_name) is not None,
+        largest_param=max(p.numel() for p in model.parameters()),
+        lora_linears=_lora_targets(layer, lora_targets))
+
+
+def spec_from_path(model: str, lora_targets: tuple[str, ...] | None = None) -> ModelSpec:
+    """Load the config at `model`, build the model on meta, and read its ModelSpec."""
+    config = load_config(model)
+    built = meta_model(config)
+    return model_spec(built, name=f"{type(built).__name__} ({Path(model).name})", lora_targets=lora_targets)
