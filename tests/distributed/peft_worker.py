@@ -2,7 +2,9 @@
 
 Usage (under torchrun): peft_worker.py OUT_DIR SPEC_JSON
 SPEC_JSON: {"models": {key: dir}, "recipe": {...}, "samples": {...},
-            "runs": [[model key, {config kwargs}, "wrap" | "load", result name], ...]}
+            "runs": [[model key, {config kwargs}, "wrap" | "load", result name, {extras}], ...]}
+extras: "save_at": k and "ckpt": dir -> accelerator.save_state(dir) after step k (training goes on);
+"resume": dir -> accelerator.load_state(dir) right after prepare; "adapter" / "merged": dir -> save_model at the end.
 Besides losses, norms and the final state it records, on every rank, what a frozen base must not cost: any
 gradient or optimizer state on a frozen parameter, and the bytes of parameters + gradients + optimizer state.
 """
@@ -26,13 +28,16 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def run(accelerator, plugin, model_dir, how, samples, recipe):
+def run(accelerator, plugin, model_dir, how, samples, recipe, extras):
     model = layout_model(plugin, model_dir, how)
     opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    start = 0
+    if "resume" in extras:
+        start = accelerator.load_state(extras["resume"])["optimizer_step"]
     losses, norms, frozen_grads = [], [], 0
-    for step, batch in enumerate(loader):
+    for step, batch in enumerate(loader, start):
         if step == recipe.steps:
             break
         out = model(**batch)
@@ -43,12 +48,18 @@ def run(accelerator, plugin, model_dir, how, samples, recipe):
         sched.step()
         opt.zero_grad()
         losses.append(out.loss.item())
+        if step + 1 == extras.get("save_at"):  # after the step: the checkpoint's next batch is batch `save_at`
+            accelerator.save_state(extras["ckpt"])
     params = list(model.parameters())
     frozen_state = sum(1 for p in params if not p.requires_grad and opt.optimizer.state.get(p))
     state_bytes = sum(_local_bytes(v) for s in opt.optimizer.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor) and v.dim() > 0)
     memory = {"params": sum(_local_bytes(p) for p in params),
               "trainable": sum(_local_bytes(p) for p in params if p.requires_grad), "optimizer": state_bytes}
+    if "adapter" in extras:
+        accelerator.save_model(model, extras["adapter"])
+    if "merged" in extras:
+        accelerator.save_model(model, extras["merged"], merge_adapter=True)
     return losses, norms, accelerator.get_state_dict(model), frozen_grads, frozen_state, memory
 
 
@@ -56,11 +67,11 @@ def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     recipe = Recipe(**spec["recipe"])
     samples = make_samples(**spec["samples"])
-    for model_key, layout, how, result_name in spec["runs"]:
+    for model_key, layout, how, result_name, extras in spec["runs"]:
         accelerator = Accelerator()
         plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
         losses, norms, state, frozen_grads, frozen_state, memory = run(
-            accelerator, plugin, spec["models"][model_key], how, samples, recipe)
+            accelerator, plugin, spec["models"][model_key], how, samples, recipe, extras)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (losses, frozen_grads, frozen_state, memory))
         if dist.get_rank() == 0:

@@ -1,0 +1,154 @@
+"""LoRA parity rows: every layout trains a PEFT LoRA adapter exactly like one process with the same init.
+
+Two launches (2 and 4 ranks) run every (family, layout, model path); each row compares loss per step (rtol
+1e-5), global gradient norm per step (rtol 1e-5) and every parameter at the end (atol 1e-5; the adapter moves,
+the frozen base must not) with a single-process PeftModel. Every rank also reports that no frozen parameter got
+a gradient or optimizer state. The same launches save the adapter and the merged model (loaded back here with
+PEFT / transformers in one process) and resume a LoRA run from save_state under another layout.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nd_parallel.launch import launch
+from nd_parallel.parity import Recipe, RunResult, compare
+from nd_parallel.toy import make_samples
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peft_recipe import lora_config, train_reference  # noqa: E402
+
+WORKER = "tests/distributed/peft_worker.py"
+SAMPLES = dict(n=64, seq_len=24)
+STEPS = 4
+LR = 1e-3  # the parity recipe's: Adam's amplification of fp32 reduction-order noise grows with the step size
+FAMILIES = ["llama", "qwen3", "mistral"]
+# launch -> (world, samples per dp rank, {layout name: (config, model path)})
+LAUNCHES = {
+    "2r": (2, 4, {"ddp2": ({"dp_replicate_size": 2}, "wrap"), "fsdp2": ({"dp_shard_size": 2}, "load"),
+                  "tp2": ({"tp_size": 2}, "wrap"), "tp2_load": ({"tp_size": 2}, "load"),
+                  "pp2": ({"pp_size": 2}, "wrap"), "cp2": ({"cp_size": 2}, "wrap")}),
+    "4r": (4, 4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, "load"),
+                  "pp2_tp2": ({"pp_size": 2, "tp_size": 2}, "wrap")}),
+}
+# Checkpoint rows (llama only): save_state under one layout after step 2, resume under another with the same
+# number of data-parallel ranks (the same global batches), e.g. TP -> PP, FSDP -> DDP, FSDPxTP -> DDPxTP.
+RESUME_ONLY = {"ddp2_tp2": ({"dp_replicate_size": 2, "tp_size": 2}, "wrap")}
+RESUME = {"2r": [("tp2", "pp2"), ("fsdp2", "ddp2")], "4r": [("fsdp2_tp2", "ddp2_tp2")]}
+EXPORTS = {"2r": "tp2", "4r": "pp2_tp2"}  # layout whose adapter / merged model is exported (llama)
+CASES = [(n, f, lay) for n, (_, _, lays) in LAUNCHES.items() for f in FAMILIES for lay in lays]
+
+
+def _dp(config: dict, world: int) -> int:
+    return world // (config.get("tp_size", 1) * config.get("pp_size", 1) * config.get("cp_size", 1))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    from nd_parallel.toy import save_tiny_model
+
+    root = tmp_path_factory.mktemp("peft_models")
+    return {f: str(save_tiny_model(f, root / f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def runs(model_dirs, tmp_path_factory):
+    done = {}
+
+    def get(name):
+        if name not in done:
+            world, per_rank, layouts = LAUNCHES[name]
+            out = tmp_path_factory.mktemp(f"peft_{name}")
+            rows = [[f, cfg, how, f"{f}__{lay}", {}] for f in FAMILIES for lay, (cfg, how) in layouts.items()]
+            for row in rows:
+                if row[3] == f"llama__{EXPORTS[name]}":
+                    row[4] = {"adapter": str(out / "adapter"), "merged": str(out / "merged")}
+            for saver, loader in RESUME[name]:
+                next(r for r in rows if r[3] == f"llama__{saver}")[4].update(save_at=2, ckpt=str(out / saver))
+                cfg, how = {**layouts, **RESUME_ONLY}[loader]
+                rows.append(["llama", cfg, how, f"resume__{saver}__{loader}", {"resume": str(out / saver)}])
+            spec = {"models": model_dirs, "samples": SAMPLES, "runs": rows,
+                    "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
+            (out / "spec.json").write_text(json.dumps(spec))
+            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True,
+                   env={"PYTHONPATH": str(Path(__file__).parent)})
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def references(model_dirs):
+    cache = {}
+
+    def get(family, how, dp, per_rank):
+        key = (family, how, dp, per_rank)
+        if key not in cache:
+            recipe = Recipe(steps=STEPS, per_rank_batch=per_rank, lr=LR)
+            cache[key] = train_reference(model_dirs[family], how, make_samples(**SAMPLES), dp, recipe)
+        return cache[key]
+
+    return get
+
+
+def _load(path):
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("launch_name,family,layout", CASES, ids=[f"{a}-{f}-{n}" for a, f, n in CASES])
+def test_lora_matches_single_process(launch_name, family, layout, runs, references):
+    world, per_rank, layouts = LAUNCHES[launch_name]
+    config, how = layouts[layout]
+    saved = _load(runs(launch_name) / f"{family}__{layout}.pt")
+    run = RunResult(saved["losses"], saved["norms"], saved["state"])
+    ref = references(family, how, _dp(config, world), per_rank)
+    diff = compare(ref, run)
+    adapter = {k for k in ref.state if ".lora_" in k}
+    print(f"{launch_name} {family} {layout}: {diff} memory per rank {saved['memory']}")
+    assert saved["rank_spread"] == 0.0
+    assert diff["loss_rel"] <= 1e-5, (diff, run.losses, ref.losses)
+    assert diff["norm_rel"] <= 1e-5, (diff, run.norms, ref.norms)
+    assert diff["param_abs"] <= 1e-5, diff
+    assert saved["frozen_grads"] == 0 and saved["frozen_state"] == 0, "a frozen base parameter got grads or state"
+    # Training moved every adapter (LoRA's B starts at zero, so a silent no-op would leave it zero).
+    assert all(ref.state[k].abs().max() > 1e-4 for k in adapter if ".lora_B." in k)
+
+
+@pytest.mark.parametrize("launch_name", list(RESUME))
+def test_lora_resume_under_another_layout(launch_name, runs):
+    out = runs(launch_name)
+    for saver, loader in RESUME[launch_name]:
+        whole = _load(out / f"llama__{saver}.pt")
+        resumed = _load(out / f"resume__{saver}__{loader}.pt")
+        assert len(resumed["losses"]) == STEPS - 2
+        for a, b in zip(resumed["losses"], whole["losses"][2:]):
+            assert abs(a - b) <= 1e-5 * abs(b), (saver, loader, resumed["losses"], whole["losses"])
+        for k, v in whole["state"].items():
+            assert (resumed["state"][k] - v).abs().max() <= 1e-5, (saver, loader, k)
+
+
+@pytest.mark.parametrize("launch_name", list(EXPORTS))
+def test_adapter_and_merged_exports_load_in_one_process(launch_name, runs, model_dirs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = runs(launch_name)
+    trained = _load(out / f"llama__{EXPORTS[launch_name]}.pt")["state"]
+    assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), out / "adapter")
+    state = model.state_dict()
+    assert {k for k in state if ".lora_" in k} == {k for k in trained if ".lora_" in k}
+    assert all(torch.equal(state[k], v) for k, v in trained.items()), "the saved adapter differs from training"
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), out / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    batch = {k: torch.stack([s[k] for s in make_samples(n=4, seq_len=24, seed=7)]) for k in ("input_ids",
+                                                                                              "attention_mask")}
+    with torch.no_grad():
+        want = reference(**batch).logits
+        assert torch.allclose(merged(**batch).logits, want, atol=1e-5)
+        assert torch.allclose(model(**batch).logits, want, atol=0)
+    assert lora_config().target_modules  # the adapter covered every projection (column- and row-wise)
