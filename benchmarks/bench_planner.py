@@ -1,0 +1,389 @@
+"""Validate the planner: predicted vs measured peak memory per rank and step time, on 4 CPU ranks (gloo, fp32).
+
+For two model shapes (a Llama with untied embeddings, a Qwen3 with per-head q/k norms and tied embeddings) and
+14 layouts each (FSDP, DDP, HSDP, TP, CP, PP with 1F1B and GPipe, full activation checkpointing, LoRA), one launch
+of 4 ranks trains every layout for a few steps and measures:
+- the peak of live tensor memory per rank over one training step (forward, backward, AdamW step), allocator
+  level: a TorchDispatchMode that follows every storage an op creates until it is freed, plus the parameters,
+  gradients and optimizer state alive when the step starts (the count torch.distributed._tools.mem_tracker.MemTracker keeps);
+- the median step time over `--steps` steps after a warm-up (without the tracker).
+Before the layouts, every rank measures this machine's rates at once (matmul FLOP/s, elementwise bytes/s, gloo
+all-reduce latency and bandwidth); the planner's Cluster gets those, nothing else is fitted.
+Beside our prediction: accelerate's `estimate-memory` training figure and DeepSpeed's ZeRO-3 model-state
+estimator on the same model (they do not see the layout, activations or logits).
+
+    python benchmarks/bench_planner.py                # both shapes, 14 layouts each (~10 min on 2 busy cores)
+    python benchmarks/bench_planner.py --quick        # 4 layouts of the first shape
+    python benchmarks/bench_planner.py --json runs/bench_planner.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+WORLD = 4
+SHAPES = {  # name -> (family, overrides)
+    "llama-h256-L4-v4096": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                                          vocab_size=4096, tie_word_embeddings=False)),
+    "qwen3-h192-L4-v8192-tied": ("qwen3", dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4,
+                                               num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                                               vocab_size=8192, tie_word_embeddings=True)),
+}
+# name -> (ParallelismConfig kwargs, extras: ckpt "full", lora rank)
+LAYOUTS = {
+    "fsdp4": (dict(dp_shard_size=4), {}),
+    "ddp4": (dict(dp_replicate_size=4), {}),
+    "hsdp2x2": (dict(dp_replicate_size=2, dp_shard_size=2), {}),
+    "fsdp2_tp2": (dict(dp_shard_size=2, tp_size=2), {}),
+    "ddp2_tp2": (dict(dp_replicate_size=2, tp_size=2), {}),
+    "cp2_fsdp2": (dict(cp_size=2, dp_shard_size=2), {}),
+    "cp4": (dict(cp_size=4), {}),
+    "tp2_cp2": (dict(tp_size=2, cp_size=2), {}),
+    "pp2_fsdp2_1f1b": (dict(pp_size=2, dp_shard_size=2, pp_microbatches=2), {}),
+    "pp4_1f1b": (dict(pp_size=4, pp_microbatches=4), {}),
+    "pp2_tp2_gpipe": (dict(pp_size=2, tp_size=2, pp_schedule="gpipe", pp_microbatches=2), {}),
+    "fsdp4_full_ckpt": (dict(dp_shard_size=4), {"ckpt": "full"}),
+    "cp2_fsdp2_full_ckpt": (dict(cp_size=2, dp_shard_size=2), {"ckpt": "full"}),
+    "fsdp4_lora": (dict(dp_shard_size=4), {"lora": 8}),
+}
+QUICK = ("fsdp4", "fsdp2_tp2", "cp2_fsdp2", "pp2_fsdp2_1f1b")
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages on this rank: the ones alive at entry (`initial`) plus every storage an
+    op returns, each counted once until it is freed (weakref) or resized (FSDP2 frees unsharded parameters with
+    `storage.resize_(0)`). The allocator-level count MemTracker keeps, without its module hooks (which refuse a
+    module called once per pipeline micro-batch)."""
+
+    def __init__(self, initial):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        for t in initial:
+            self._track(t)
+
+    def _track(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if hasattr(t, "_local_tensor"):  # DTensor: this rank's piece
+            t = t._local_tensor
+        if t.is_meta or t.layout != torch.strided:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.current += self.live[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):
+            key = id(st)
+            original(st, size)
+            if key in mode.live:
+                mode.current += st.nbytes() - mode.live[key]
+                mode.live[key] = st.nbytes()
+                mode.peak = max(mode.peak, mode.current)
+            elif size:
+                mode._track(torch.empty(0).set_(st))
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._track(t)
+        return out
+
+
+def _state_tensors(model, opt) -> list:
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _rates(dist) -> dict:
+    """This machine's rates with every rank busy at once (the ranks share the cores)."""
+    def timed(fn, n=5):
+        fn()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - start) / n
+
+    a, b = torch.randn(1024, 256), torch.randn(256, 688)
+    flops = 2 * 1024 * 256 * 688 / timed(lambda: a @ b, 20)
+    x = torch.randn(4 * 2**20)
+    mem_bw = 2 * x.numel() * 4 / timed(lambda: x.mul_(1.0), 10)
+    small, big = torch.zeros(256), torch.zeros(2**20)
+    latency = timed(lambda: dist.all_reduce(small), 20)
+    t_big = timed(lambda: dist.all_reduce(big), 5)
+    n = dist.get_world_size()
+    bw = 2 * (n - 1) / n * big.numel() * 4 / max(t_big - latency, 1e-9)
+    out = torch.tensor([flops, mem_bw, latency, bw], dtype=torch.float64)
+    dist.all_reduce(out)  # every rank uses the same (mean) rates
+    flops, mem_bw, latency, bw = (out / n).tolist()
+    return {"flops": flops, "mem_bw": mem_bw, "latency": latency, "bandwidth": bw}
+
+
+def _measure(args, model_dir: str, name: str) -> dict:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel import NDParallelPlugin, ParallelismConfig
+
+    kwargs, extra = LAYOUTS[name]
+    accelerator = Accelerator()
+    plugin = NDParallelPlugin(ParallelismConfig(**kwargs)).attach(accelerator)
+    dp = plugin.config.dp_size
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if extra.get("ckpt") == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if extra.get("lora"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=extra["lora"], target_modules="all-linear", lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    model, opt = accelerator.prepare(model, opt)
+    ids = torch.randint(1, model.config.vocab_size if hasattr(model, "config") else 256,
+                        (args.global_batch // dp, args.seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}  # full-length rows: no mask, SDPA runs causal
+
+    def step():
+        out = model(**batch)  # `out` stays alive through backward, as in a user's loop
+        accelerator.backward(out.loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    step()  # creates the AdamW state
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    tracker = LiveTensorBytes(_state_tensors(model, opt))
+    with tracker:
+        step()
+    peak = tracker.peak
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    del model, opt
+    return {"peaks": peaks, "step_s": statistics.median(times), "times": times}
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    Accelerator()  # starts the process group (gloo on CPU), as every layout's own Accelerator() will find it
+    torch.set_num_threads(1)
+    rates = _rates(dist)
+    results = {"rates": rates, "runs": {}}
+    for shape, model_dir in json.loads(args.models).items():
+        for name in args.layouts.split(","):
+            try:
+                results["runs"][f"{shape}/{name}"] = _measure(args, model_dir, name)
+            except Exception as err:  # one broken layout must not hide the others
+                import traceback
+
+                print(f"rank {dist.get_rank()} {shape}/{name}: {traceback.format_exc()}", file=sys.stderr, flush=True)
+                results["runs"][f"{shape}/{name}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            if dist.get_rank() == 0:
+                print(f"measured {shape}/{name}: {results['runs'][f'{shape}/{name}']}", flush=True)
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------------------------ parent
+def _layout(name: str, args):
+    """The planner's Layout for a benchmarked configuration (same batch split as the ranks use)."""
+    from nd_parallel.planner import Layout
+
+    kwargs, extra = LAYOUTS[name]
+    sizes = {k: kwargs.get(f"{k}_size", 1) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp")}
+    lay = Layout(**sizes)
+    per_rank = args.global_batch // lay.dp
+    m = kwargs.get("pp_microbatches", 1)
+    return Layout(**sizes, micro_batch=per_rank // m, microbatches=m,
+                  schedule=kwargs.get("pp_schedule", "1f1b") if lay.pp > 1 else None,
+                  checkpointing=extra.get("ckpt", "none")), extra.get("lora")
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def _others(model_dir: str, lora: int | None) -> dict:
+    """accelerate's estimate-memory training figure and DeepSpeed's ZeRO-3 per-GPU model-state estimate."""
+    from accelerate.commands.estimate import estimate_training_usage
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    total = sum(p.numel() for p in model.parameters())
+    largest_layer = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    accel = max(estimate_training_usage(total * 4, "float32").values())
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        _, ds, _ = estimate_zero3_model_states_mem_needs(total, largest_layer, num_gpus_per_node=WORLD,
+                                                         cpu_offload=False, cpu_offload_params=False)
+    except ImportError:
+        ds = None
+    return {"accelerate": accel, "deepspeed": ds}
+
+
+def report(data: dict, args, model_dirs: dict) -> dict:
+    from nd_parallel.planner import Cluster, Training, peak_memory, spec_from_path, step_time
+
+    r = data["rates"]
+    cluster = Cluster(nodes=1, gpus_per_node=WORLD, gpu_memory=2**40, intra_bw=r["bandwidth"],
+                      inter_bw=r["bandwidth"], flops=r["flops"], efficiency=1.0, mem_bw=r["mem_bw"],
+                      latency=r["latency"], device="cpu")
+    rows = []
+    for key, run in data["runs"].items():
+        shape, name = key.split("/")
+        lay, lora = _layout(name, args)
+        spec = spec_from_path(model_dirs[shape])
+        train = Training(seq_len=args.seq, global_batch=args.global_batch, dtype="fp32", lora_rank=lora)
+        mem = peak_memory(spec, train, lay, cluster)
+        row = {"shape": shape, "layout": name, "predicted_peak": mem.peak, "predicted_phase": mem.phase,
+               "predicted_parts": mem.parts, "predicted_step_s": sum(step_time(spec, train, lay, cluster).values())}
+        if "error" in run:
+            row["error"] = run["error"]
+        else:
+            measured = max(run["peaks"])
+            others = _others(model_dirs[shape], lora)
+            row.update(measured_peak=measured, measured_peaks=run["peaks"], measured_step_s=run["step_s"],
+                       error=None, mem_err=mem.peak / measured - 1,
+                       accelerate_err=others["accelerate"] / measured - 1,
+                       deepspeed_err=(others["deepspeed"] / measured - 1) if others["deepspeed"] else None)
+        rows.append(row)
+    return {"rates": r, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    ok = [r for r in rows if not r.get("error")]
+    errs = [abs(r["mem_err"]) for r in ok]
+    out = {"layouts": len(ok), "failed": [f"{r['shape']}/{r['layout']}" for r in rows if r.get("error")],
+           "mem_abs_err_median": statistics.median(errs) if errs else None, "mem_abs_err_worst": max(errs, default=None),
+           "accelerate_abs_err_median": statistics.median(abs(r["accelerate_err"]) for r in ok) if ok else None,
+           "deepspeed_abs_err_median": statistics.median(abs(r["deepspeed_err"]) for r in ok
+                                                        if r["deepspeed_err"] is not None) if ok else None}
+    for shape in sorted({r["shape"] for r in ok}):
+        mine = [r for r in ok if r["shape"] == shape]
+        pred, meas = [r["predicted_step_s"] for r in mine], [r["measured_step_s"] for r in mine]
+        top = min(mine, key=lambda r: r["predicted_step_s"])
+        out[shape] = {"spearman": _spearman(pred, meas), "predicted_top": top["layout"],
+                      "top_gap": top["measured_step_s"] / min(meas) - 1,
+                      "measured_best": min(mine, key=lambda r: r["measured_step_s"])["layout"]}
+    return out
+
+
+def print_report(rep: dict) -> None:
+    mib = 2.0**20
+    r = rep["rates"]
+    print(f"rates per rank (4 ranks busy): matmul {r['flops'] / 1e9:.2f} GFLOP/s, elementwise {r['mem_bw'] / 1e9:.2f} "
+          f"GB/s, all-reduce latency {r['latency'] * 1e6:.0f} us, bandwidth {r['bandwidth'] / 1e9:.2f} GB/s")
+    print(f"{'shape':<26} {'layout':<20} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accel':>7} {'dspeed':>7} "
+          f"{'pred s':>7} {'meas s':>7}  phase")
+    for row in rep["rows"]:
+        if row.get("error"):
+            print(f"{row['shape']:<26} {row['layout']:<20} FAILED: {row['error'][:100]}")
+            continue
+        ds = f"{row['deepspeed_err']:+7.0%}" if row["deepspeed_err"] is not None else "    n/a"
+        print(f"{row['shape']:<26} {row['layout']:<20} {row['predicted_peak'] / mib:9.1f} "
+              f"{row['measured_peak'] / mib:9.1f} {row['mem_err']:+7.1%} {row['accelerate_err']:+7.0%} {ds} "
+              f"{row['predicted_step_s']:7.3f} {row['measured_step_s']:7.3f}  {row['predicted_phase']}")
+    s = rep["summary"]
+    print(f"memory |error|: median {s['mem_abs_err_median']:.1%}, worst {s['mem_abs_err_worst']:.1%} over "
+          f"{s['layouts']} layouts (targets 10% / 20%); accelerate estimate-memory median "
+          f"{s['accelerate_abs_err_median']:.0%}, DeepSpeed ZeRO-3 estimator median {s['deepspeed_abs_err_median']:.0%}")
+    for shape, v in s.items():
+        if isinstance(v, dict):
+            print(f"{shape}: Spearman {v['spearman']:.2f} (target >= 0.8); predicted top {v['predicted_top']} measured "
+                  f"{v['top_gap']:+.1%} vs the best measured ({v['measured_best']}) (target <= 10%)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout after one warm-up")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="also write the report here")
+    parser.add_argument("--from-json", help="re-print a report written by --json")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--models", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.from_json:
+        return print_report(json.loads(Path(args.from_json).read_text()))
+    if args.quick:
+        args.layouts, args.shapes, args.steps = ",".join(QUICK), next(iter(SHAPES)), 2
+    from nd_parallel.launch import launch_for_result
+    from nd_parallel.toy import save_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {}
+        for shape in args.shapes.split(","):
+            family, overrides = SHAPES[shape]
+            dirs[shape] = str(save_tiny_model(family, Path(tmp) / shape, max_position_embeddings=max(args.seq, 256),
+                                              **overrides))
+        forwarded = [f"--seq={args.seq}", f"--global-batch={args.global_batch}", f"--steps={args.steps}",
+                     f"--layouts={args.layouts}", f"--models={json.dumps(dirs)}"]
+        data = launch_for_result(__file__, WORLD, forwarded, timeout=3000,
+                                 env={"TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"})
+        rep = report(data, args, dirs)
+    print_report(rep)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
