@@ -7,7 +7,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["nd_parallel", "nd_parallel.*", "plugins", "plugins.*"]),
+    # The top-level plugins/ folder is installed as nd_parallel.plugins: nothing named `plugins` lands top-level.
+    packages=find_packages(include=["nd_parallel", "nd_parallel.*"])
+    + ["nd_parallel." + p for p in find_packages(include=["plugins", "plugins.*"])],
+    package_dir={"nd_parallel.plugins": "plugins"},
     install_requires=[
         "torch>=2.9,<2.15",  # tested with 2.13
         "transformers>=5.16,<5.25",
@@ -15,6 +18,7 @@ setup(
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.60",
+        "peft>=0.20,<0.22",  # LoRA under every layout; 0.20 is Axolotl 0.19's pin
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7"],

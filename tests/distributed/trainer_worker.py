@@ -1,0 +1,56 @@
+"""Rank program (or one process) for the Trainer rows: an unchanged Trainer script plus NDParallelCallback.
+
+Usage: trainer_worker.py OUT_DIR SPEC_JSON   (under torchrun; or plain python for the one-process reference)
+SPEC_JSON: {"model": dir, "samples": {...}, "runs": [[name, {config kwargs} | null, {TrainingArguments}, {extras}]]}
+A null config is the reference: no callback. extras: "lora": true wraps the model with the LoRA recipe;
+"resume": checkpoint dir passed to train(resume_from_checkpoint=...); "save_model": dir for trainer.save_model().
+Writes, from the main process, the logged losses and grad norms and the final full state of each run.
+"""
+
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from nd_parallel.toy import make_samples
+
+
+def collate(samples):
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def main(out_dir: str, spec_path: str) -> None:
+    spec = json.load(open(spec_path))
+    samples = make_samples(**spec["samples"])
+    for name, config, train_args, extras in spec["runs"]:
+        callbacks = []
+        if config is not None:
+            from nd_parallel import ParallelismConfig
+            from nd_parallel.plugins.trainer import NDParallelCallback
+
+            callbacks = [NDParallelCallback(ParallelismConfig(**config))]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(spec["model"])
+        if extras.get("lora"):
+            from peft_recipe import SEED, lora_config
+            from peft import get_peft_model
+
+            torch.manual_seed(SEED)
+            model = get_peft_model(model, lora_config())
+        args = TrainingArguments(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, **train_args)
+        trainer = Trainer(model=model, args=args, train_dataset=samples, data_collator=collate, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=extras.get("resume"))
+        if "save_model" in extras:
+            trainer.save_model(extras["save_model"])
+        accelerator = trainer.accelerator
+        state = accelerator.get_state_dict(trainer.model_wrapped)
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        if accelerator.is_main_process:
+            torch.save({"losses": [h["loss"] for h in logs], "norms": [h["grad_norm"] for h in logs],
+                        "steps": [h["step"] for h in logs], "state": state}, f"{out_dir}/{name}.pt")
+        accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
