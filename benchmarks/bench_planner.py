@@ -25,12 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 WORLD = 4
 SHAPES = {  # name -> (family, overrides)
@@ -62,72 +59,6 @@ QUICK = ("fsdp4", "fsdp2_tp2", "cp2_fsdp2", "pp2_fsdp2_1f1b")
 
 
 # ------------------------------------------------------------------------------------------------ ranks
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages on this rank: the ones alive at entry (`initial`) plus every storage an
-    op returns, each counted once until it is freed (weakref) or resized (FSDP2 frees unsharded parameters with
-    `storage.resize_(0)`). The allocator-level count MemTracker keeps, without its module hooks (which refuse a
-    module called once per pipeline micro-batch)."""
-
-    def __init__(self, initial):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = self.peak = 0
-        for t in initial:
-            self._track(t)
-
-    def _track(self, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        if hasattr(t, "_local_tensor"):  # DTensor: this rank's piece
-            t = t._local_tensor
-        if t.is_meta or t.layout != torch.strided:
-            return
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self.live:
-            return
-        self.live[key] = st.nbytes()
-        self.current += self.live[key]
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(st, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __enter__(self):
-        original = self._resize = torch.UntypedStorage.resize_
-        mode = self
-
-        def resize_(st, size):
-            key = id(st)
-            original(st, size)
-            if key in mode.live:
-                mode.current += st.nbytes() - mode.live[key]
-                mode.live[key] = st.nbytes()
-                mode.peak = max(mode.peak, mode.current)
-            elif size:
-                mode._track(torch.empty(0).set_(st))
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            self._track(t)
-        return out
-
-
-def _state_tensors(model, opt) -> list:
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tensors
-
-
 def _rates(dist) -> dict:
     """This machine's rates with every rank busy at once (the ranks share the cores)."""
     def timed(fn, n=5):
@@ -194,7 +125,9 @@ def _measure(args, model_dir: str, name: str) -> dict:
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    tracker = LiveTensorBytes(_state_tensors(model, opt))
+    from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
+
+    tracker = LiveTensorBytes(state_tensors(model, opt))
     with tracker:
         step()
     peak = tracker.peak

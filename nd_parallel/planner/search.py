@@ -173,7 +173,7 @@ def search(spec: ModelSpec, train: Training, cluster: Cluster, cons: Constraints
         if reason:
             rejected.append((lay.sizes(), reason))
     plans.sort(key=lambda p: (p.step_time, p.memory.peak))
-    if not plans and not any("needs" in r for _, r in rejected):
+    if not plans and closest is None:  # every layout broke a rule: no memory figure to hint with
         raise PlannerError(_no_legal_layout(cluster, cons, rejected))
     hint = _hint(spec, train, cluster, cons, plans, closest)
     return PlanResult(spec, train, cluster, plans, rejected, hint, evaluated, time.perf_counter() - start)
@@ -225,7 +225,6 @@ def _hint(spec, train, cluster, cons, plans: list[Plan], closest: RankMemory | N
         best = plans[0]
         return (f"{len(plans)} layouts fit; the fastest is {best.layout.name()} ({_knobs(best.layout)}), "
                 f"{format_bytes(best.memory.peak)} peak, dominated by {best.dominant}")
-    assert closest is not None  # search() raised when no layout was legal
     lay = closest.layout
     parts = closest.parts
     biggest = max(parts, key=parts.get)

@@ -127,9 +127,11 @@ def meta_model(config) -> nn.Module:
         no_init_weights = contextlib.nullcontext
     with torch.device("meta"), no_init_weights():
         try:
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
         except ValueError as err:
             raise PlannerError(f"{type(config).__name__} is not a causal LM transformers can build: {err}") from None
+    model.tie_weights()  # skipped with the init functions; tied embeddings count once
+    return model
 
 
 def _tp_plan(model: nn.Module) -> dict[str, str]:

@@ -1,0 +1,79 @@
+"""Measure what the memory model predicts: the peak of live tensor storages on this rank (allocator level, not RSS).
+
+Used by the unit tests (a single-process known case) and benchmarks/bench_planner.py (every layout).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages on this rank: the ones alive at entry (`initial`) plus every storage an
+    op returns, each counted once until it is freed (weakref) or resized (FSDP2 frees unsharded parameters with
+    `storage.resize_(0)`). The allocator-level count MemTracker keeps, without its module hooks (which refuse a
+    module called once per pipeline micro-batch)."""
+
+    def __init__(self, initial):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = self.peak = 0
+        for t in initial:
+            self._track(t)
+
+    def _track(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if hasattr(t, "_local_tensor"):  # DTensor: this rank's piece
+            t = t._local_tensor
+        if t.is_meta or t.layout != torch.strided:
+            return
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.current += self.live[key]
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        mode = self
+
+        def resize_(st, size):
+            key = id(st)
+            original(st, size)
+            if key in mode.live:
+                mode.current += st.nbytes() - mode.live[key]
+                mode.live[key] = st.nbytes()
+                mode.peak = max(mode.peak, mode.current)
+            elif size:
+                mode._track(torch.empty(0).set_(st))
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            self._track(t)
+        return out
+
+
+def state_tensors(model, opt) -> list:
+    """What is alive between steps: parameters, buffers, gradients, optimizer state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tensors
