@@ -31,6 +31,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
 PP_BACKENDS = ("torch", "deepspeed")
 PP_BALANCE_NAMES = ("uniform", "profile")
 CP_BACKENDS = ("ring", "ulysses", "torch")
+AC_MODES = (None, "full", "selective")
 AXOLOTL_ALIASES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
                    "pipeline_parallel_size": "pp_size"}
 # What the neutral value of each counted field means; quoted as the fix in error messages.
@@ -43,6 +44,7 @@ _NEUTRAL = {
     "pp_virtual_stages": "pp_virtual_stages=1 for one pipeline stage per rank",
     "pp_microbatches": "pp_microbatches=None for one micro-batch per pipeline stage",
     "pp_timeline_step": "pp_timeline_step=3 (the third step)",
+    "activation_checkpointing_every": "activation_checkpointing_every=1 to checkpoint every layer",
 }
 _ENV_PREFIX = "PARALLELISM_CONFIG_"
 _ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "pp_microbatches", "pp_virtual_stages")}
@@ -98,6 +100,11 @@ class ParallelismConfig:
     """Context-parallel attention: "ring" (default), "ulysses" (all-to-all), "torch" (CUDA only)."""
     cp_load_balance: bool = True
     """Reorder sequence chunks so causal attention costs the same on every CP rank. Default True."""
+    activation_checkpointing: str | None = None
+    """Recompute activations in backward: None (default, off), "full" (each decoder layer keeps only its input)
+    or "selective" (keep matmul/attention outputs, recompute norms, activations, elementwise ops)."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every k-th decoder layer of each model part. Default 1 (all); >= 1."""
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
@@ -117,6 +124,12 @@ class ParallelismConfig:
         if not isinstance(self.cp_load_balance, bool):
             raise ConfigTypeError(f"cp_load_balance={self.cp_load_balance!r} is "
                                   f"{_kind(self.cp_load_balance)}; write True or False")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ConfigError(f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; use None "
+                              "(off), 'full' (recompute each decoder layer) or 'selective' (keep matmul and "
+                              "attention outputs, recompute the rest)")
+        self.activation_checkpointing_every = _check_count("activation_checkpointing_every",
+                                                           self.activation_checkpointing_every)
         self._check_pipeline()
         self._check_deepspeed()
         self.pp_balance = _check_balance(self.pp_balance, self.pp_size, self.pp_virtual_stages)

@@ -96,3 +96,13 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
     flat = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
     logger.info("built %s mesh %s over %d ranks", device_type, dict(zip(DIM_NAMES, shape)), world_size)
     return ParallelMesh(config=config, world=world, flat=flat)
+
+
+def single_process_group(device_type: str) -> None:
+    """A one-rank process group for a single process that needs a mesh (bf16 runs through ``fully_shard``).
+
+    An in-memory store: nothing listens on a port, nothing else can join.
+    """
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend_for(device_type), store=dist.HashStore(), rank=0, world_size=1)

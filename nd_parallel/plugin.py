@@ -17,6 +17,7 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
+from . import adapters
 from .checkpoint.dataloader import track as track_position
 from .config import ParallelismConfig
 from .context_parallel.hf import SequenceSharding, use_cp_attention
@@ -27,9 +28,13 @@ from .grad_norm import clip_grad_norm_
 from .loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards, reads_whole_model
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh, build_mesh
+from .activation_checkpoint import check_model as check_ac_model
+from .activation_checkpoint import requested_mode as activation_checkpointing_mode
+from .mesh import single_process_group
 from .parallelize import check_not_parallelized, parallelize
-from .pipeline import build_pipeline, validate_pipeline
-from .tensor_parallel import check_divisibility, check_styles, resolve_plan
+from .precision import check_mixed_precision, policy_for
+from .pipeline import validate_pipeline
+from .tensor_parallel import check_adapters, check_divisibility, check_styles, resolve_plan
 
 logger = logging.getLogger("nd_parallel")
 
@@ -78,6 +83,7 @@ class NDParallelPlugin:
         self._mesh: ParallelMesh | None = None
         self._param_map: dict[int, list[nn.Parameter]] = {}
         self._models: list[nn.Module] = []
+        self.mp_policy = None  # FSDP2 MixedPrecisionPolicy for the accelerator's mixed_precision (precision.py)
         self.loading_report = None  # what this rank read at prepare() for a model from from_pretrained (loading.py)
 
     @classmethod
@@ -100,14 +106,15 @@ class NDParallelPlugin:
                 f"Accelerator distributed_type={accelerator.distributed_type} is not supported by nd_parallel; "
                 "launch with plain multi-process (accelerate launch --multi_gpu / --cpu, or torchrun)"
             )
-        if accelerator.mixed_precision not in ("no", None):
-            raise NotImplementedError(
-                f"mixed_precision='{accelerator.mixed_precision}' is not supported yet; run in fp32 or load the "
-                "model with torch_dtype=torch.bfloat16"
-            )
+        check_mixed_precision(accelerator.mixed_precision)
         _check_accelerator_saw_all_ranks(accelerator)
         self.config = self.config.resolve(accelerator.num_processes)
         c = self.config
+        if c.pp_size > 1 and c.pp_backend == "deepspeed" and accelerator.mixed_precision == "bf16":
+            raise NotImplementedError(
+                "mixed_precision='bf16' with pp_backend='deepspeed': DeepSpeed's pipeline engine keeps its own "
+                "precision state and would not follow nd_parallel's fp32-master recipe; use pp_backend='torch'")
+        self.mp_policy = policy_for(accelerator.mixed_precision)
         check_styles(c.tp_plan or {})  # a typo in an override is an error even while tp_size=1
         if c.pp_size > 1 and c.pp_backend == "deepspeed":
             from .pipeline.deepspeed_backend import require_deepspeed
@@ -174,6 +181,9 @@ class NDParallelPlugin:
     def validate_model(self, model: nn.Module) -> None:
         """Model checks that need no process group: already sharded, heads vs tp, a usable tp_plan."""
         check_not_parallelized(model)
+        adapters.check_peft_model(model)
+        model = adapters.base_of(model)  # a PeftModel is split as the HF model inside it (adapters.py)
+        check_ac_model(model, self.config.activation_checkpointing)
         if self.config.pp_size > 1:
             validate_pipeline(model, self.config)
         if self.config.cp_size > 1:
@@ -185,32 +195,42 @@ class NDParallelPlugin:
                     f"{type(model).__name__} has no tp_plan, so tp_size={self.config.tp_size} cannot shard it; "
                     "pass ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1"
                 )
+            check_adapters(model, self.config.tp_plan)
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode=False) -> nn.Module:
         self.validate_model(model)
+        wrapper, model = adapters.unwrap(model)  # parallelize the HF model; hand back the PeftModel (adapters.py)
+        inner = model
         device = self.accelerator.device
         lazy = lazy_checkpoint(model)  # from_pretrained built it on meta: its weights are read below
         if lazy is not None and (self.accelerator.num_processes == 1 or reads_whole_model(self.config)):
             self.loading_report = load_local_shards([model], lazy, device)  # every rank needs the whole model
             lazy = None
-        if self.accelerator.num_processes == 1:  # nothing to split; keep the plain single-process path
-            model.to(self.accelerator.device)
-            self.accelerator._models.append(model)
-            return model
+        ac_mode = activation_checkpointing_mode(model, self.config.activation_checkpointing)
         before = dict(model.named_parameters(remove_duplicate=False))
         if lazy is None:
             model.to(device)
+        if wrapper is not None:  # every rank starts from rank 0's adapter init
+            adapters.broadcast_trainable(lazy.initial_tensors() if lazy is not None else
+                                         [p for p in model.parameters() if p.requires_grad], device)
         moved = dict(model.named_parameters(remove_duplicate=False))
-        if self.config.cp_size > 1:
-            use_cp_attention(model)  # before any split: pipeline stages share the model's config
-        if self.config.pp_size > 1:
-            model = build_pipeline(model, self.mesh, self.config, self.accelerator.device)
+        if self.accelerator.num_processes == 1:
+            # Nothing to split, but the same recipe as every layout: checkpointing per layer, and bf16 through a
+            # one-rank fully_shard (which needs a one-rank process group and mesh).
+            mesh = None
+            if self.mp_policy is not None:
+                single_process_group(device.type)
+                mesh = self.mesh
+            model = parallelize(model, mesh, device, activation_checkpointing=ac_mode, mp_policy=self.mp_policy)
         else:
-            parallelize(model, self.mesh)
-            mesh = self.mesh
-            model._nd_parallel_loss = GlobalTokenLoss(model, mesh["dp_cp"].get_group(), mesh["dp"].get_group())
             if self.config.cp_size > 1:
-                model._nd_parallel_cp = SequenceSharding(model, cp_runtime(mesh, self.config))
+                use_cp_attention(model)  # before any split: pipeline stages share the model's config
+            model = parallelize(model, self.mesh, device, activation_checkpointing=ac_mode, mp_policy=self.mp_policy)
+            if self.config.pp_size == 1:
+                mesh = self.mesh
+                model._nd_parallel_loss = GlobalTokenLoss(model, mesh["dp_cp"].get_group(), mesh["dp"].get_group())
+                if self.config.cp_size > 1:
+                    model._nd_parallel_cp = SequenceSharding(model, cp_runtime(mesh, self.config))
         if lazy is not None:  # split and sharded on meta: now each rank reads only the pieces it owns
             self.loading_report = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
         # Old parameter -> the parameter(s) now standing for it on this rank (none: another stage owns it;
@@ -223,6 +243,7 @@ class NDParallelPlugin:
                 targets = self._param_map.setdefault(key, [])
                 if name in after and all(t is not after[name] for t in targets):
                     targets.append(after[name])
+        model = adapters.rewrap(wrapper, model, inner)
         self._models.append(model)
         self.accelerator._models.append(model)
         return model
@@ -283,13 +304,13 @@ class NDParallelPlugin:
         """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        if not dist.is_initialized() or self.accelerator.num_processes == 1:
+        if not dist.is_initialized() or (self.accelerator.num_processes == 1 and self._mesh is None):
             return {k: v.detach().cpu() for k, v in model.state_dict().items()}
         if self.config.pp_size == 1:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(model, options=options)
             return state if self.accelerator.is_main_process else {}
-        return self._pipeline_state_dict(model)
+        return adapters.with_peft_names(model, self._pipeline_state_dict(model))
 
     def _pipeline_state_dict(self, model) -> dict[str, torch.Tensor]:
         """Each stage gathers its full tensors, then the pp ranks send theirs to the main process."""
@@ -324,11 +345,15 @@ class NDParallelPlugin:
 
         return load_state(self, input_dir, **kwargs)
 
-    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
-        """accelerator.save_model: HF safetensors + config.json, gathered and written one tensor at a time."""
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True,
+                   merge_adapter: bool = False):
+        """accelerator.save_model: HF safetensors + config.json, gathered and written one tensor at a time.
+
+        For a PEFT model: the adapter (adapter_model.safetensors + adapter_config.json), or with
+        ``merge_adapter=True`` the base model with the adapter folded in (checkpoint/adapter.py)."""
         from .checkpoint import save_model
 
-        return save_model(self, model, save_directory, max_shard_size, safe_serialization)
+        return save_model(self, model, save_directory, max_shard_size, safe_serialization, merge_adapter)
 
     def skip_first_batches(self, dataloader, num_batches: int = 0):
         """Accelerate's, except right after load_state, which already put the dataloader where it was."""
@@ -341,7 +366,7 @@ class NDParallelPlugin:
         return self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
 
     # ----------------------------------------------------------------- loading
-    def from_pretrained(self, path, memory_efficient: bool = True, **hf_kwargs) -> nn.Module:
+    def from_pretrained(self, path, memory_efficient: bool = True, peft_config=None, **hf_kwargs) -> nn.Module:
         """Load a causal LM from a local safetensors checkpoint directory without reading its weights yet.
 
         The model comes back on the meta device; ``accelerator.prepare`` splits and shards it, then each rank
@@ -350,14 +375,26 @@ class NDParallelPlugin:
         id, weights transformers converts on load, arguments such as ``device_map``) the plain path is taken,
         with a warning; ``memory_efficient=False`` takes it always (e.g. to use the model before ``prepare``).
         Weights are read from safetensors only; ``trust_remote_code`` is passed on only if you pass it.
+        ``peft_config`` (e.g. ``LoraConfig``): returns ``get_peft_model(model, peft_config)``, still read slice by
+        slice at prepare; the adapter's init is the one a plain ``get_peft_model`` gives under the same seed.
         """
         from transformers import AutoModelForCausalLM
 
         if memory_efficient:
             try:
+                if peft_config is not None:
+                    from .adapters import build_meta_peft_model
+
+                    return build_meta_peft_model(path, peft_config, **hf_kwargs)
                 return build_meta_model(path, **hf_kwargs)
             except PlainLoadNeeded as why:
                 logger.warning("memory-efficient loading does not apply (%s); loading the whole model on every "
                                "rank with transformers' from_pretrained", why)
         hf_kwargs.setdefault("use_safetensors", True)  # weights from safetensors only, unless asked otherwise
-        return AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+        if peft_config is None:
+            return model
+        from peft import get_peft_model
+
+        adapters.check_targets(model, peft_config)
+        return get_peft_model(model, peft_config)

@@ -100,9 +100,23 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
         out = torch_cp_attention(runtime, query, key, value, scale=scale, causal=causal)
         return out.transpose(1, 2).contiguous(), None
     kernel = ulysses_attention if runtime.backend == "ulysses" else ring_attention
-    out = kernel(query, key, value, runtime.group, runtime.metas(nd_cp_valid, nd_cp_doc), scale=scale, causal=causal,
-                 sliding_window=sliding_window, softcap=softcap)
+    # The kernels communicate (P2P / all-to-all) from inside their autograd Functions. Selective activation
+    # checkpointing observes ops through a dispatch mode and replays some of them from a cache while re-running
+    # others; splitting a ring's sends and receives that way desynchronises the ranks (a hang). So the kernels run
+    # with dispatch modes off: SAC sees none of their ops, and a recomputation re-runs the whole kernel,
+    # communication included, on every cp rank alike (activation_checkpoint.py).
+    with _no_dispatch_modes():
+        out = kernel(query, key, value, runtime.group, runtime.metas(nd_cp_valid, nd_cp_doc), scale=scale,
+                     causal=causal, sliding_window=sliding_window, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _no_dispatch_modes():
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def torch_cp_attention(runtime: CPRuntime, query, key, value, *, scale: float, causal: bool):

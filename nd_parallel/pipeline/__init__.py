@@ -1,15 +1,18 @@
-"""Pipeline parallelism: split (pure), stage building, schedules, the torch backend."""
+"""Pipeline parallelism: split (pure), stage building, schedules, the torch backend.
+
+This package splits and schedules; the order in which TP, activation checkpointing and FSDP are applied to each
+stage is decided in one place, ``nd_parallel/parallelize.py``.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..fsdp import apply_fsdp
-from ..tensor_parallel import apply_tp
 from .schedules import SCHEDULES, check_microbatches
 from .split import model_parts, split_stages, stage_ids_for_rank
 from .stage import make_stage_module
@@ -50,14 +53,14 @@ class TiedWeights:
         """Remember the (already equal) gradients before a step, so only what the step adds is exchanged:
         with gradient accumulation, summing the whole accumulated gradient again would count earlier
         micro-batches twice."""
-        held = [p for p in (self.embed, self.head) if p is not None]
+        held = [p for p in (self.embed, self.head) if p is not None and p.requires_grad]  # frozen (LoRA): no grad
         for p in held:
             if p.grad is not None:
                 self._match_placement(p)
         self._before = {id(p): (self._local(p.grad).clone() if p.grad is not None else None) for p in held}
 
     def sync_grads(self) -> None:
-        held = [p for p in (self.embed, self.head) if p is not None]
+        held = [p for p in (self.embed, self.head) if p is not None and p.requires_grad]  # frozen (LoRA): no grad
         for p in held:
             self._match_placement(p)
         added = []
@@ -120,12 +123,52 @@ def validate_pipeline(model: nn.Module, config) -> None:
         check_model(model)
 
 
-def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> PipelineModel:
-    """Split ``model`` into this rank's stages, apply TP and FSDP per stage, and wrap them for the loop."""
-    if config.pp_backend == "deepspeed":
-        from .deepspeed_backend import build_deepspeed_pipeline  # optional dependency: imported on use
+@dataclass
+class PipelineSplit:
+    """This rank's stage modules, not yet parallelized; ``assemble`` wraps them once parallelize.py is done."""
 
-        return build_deepspeed_pipeline(model, mesh, config, device)
+    model: nn.Module
+    mesh: object
+    config: object
+    device: torch.device
+    stages: list[nn.Module]
+    specs: list
+    num_stages: int
+    loss: PipelineLoss
+    tied: bool
+
+    def assemble(self) -> PipelineModel:
+        """Bind tied weights to the (now sharded) stage parameters and wrap the stages for the training loop."""
+        config, mesh, mine, stages = self.config, self.mesh, self.specs, self.stages
+        info = SCHEDULES[config.pp_schedule]
+        tied_weights = None
+        if self.tied:
+            last_pp = 0 if info.placement == "v" else config.pp_size - 1
+            group = _tied_group(mesh, 0, last_pp) if last_pp != 0 else None
+            index = [s.index for s in mine]
+            embed = stages[index.index(0)].get_input_embeddings().weight if 0 in index else None
+            last = self.num_stages - 1
+            head = stages[index.index(last)].get_output_embeddings().weight if last in index else None
+            tied_weights = TiedWeights(embed, head, group)
+        pipe = PipelineModel(stages, mine, self.num_stages, mesh, config.pp_schedule, config.microbatches,
+                             self.device, self.loss, self.model.config, tied_weights)
+        if config.cp_size > 1:
+            from ..context_parallel.hf import pad_token_id, runtime_for
+
+            pipe.cp, pipe.pad_id = runtime_for(mesh, config), pad_token_id(self.model)
+        if config.pp_timeline:
+            from .timeline import TimelineRecorder, attach
+
+            attach(pipe, TimelineRecorder(mesh["pp"].get_group()), out_dir=config.pp_timeline,
+                   write_at_step=config.pp_timeline_step)
+        return pipe
+
+
+def split_pipeline(model: nn.Module, mesh, config, device: torch.device) -> PipelineSplit:
+    """Split ``model`` into this rank's stage modules (skeleton copies, HF names kept); no parallelism applied.
+
+    parallelize.py applies TP, activation checkpointing and FSDP to each stage, then calls ``assemble``.
+    """
     parts = model_parts(model)
     num_stages = config.pp_size * config.pp_virtual_stages
     specs = split_stages(parts, num_stages, layer_counts(config, parts.num_layers, model, mesh))
@@ -135,35 +178,8 @@ def build_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
     mine = [specs[i] for i in stage_ids_for_rank(pp_rank, config.pp_size, config.pp_virtual_stages, info.placement)]
     loss = PipelineLoss(model)
     tied = _untie(model)
-    stages = []
-    for spec in mine:
-        stage = make_stage_module(model, parts, spec, num_stages)
-        if config.tp_size > 1:
-            apply_tp(stage, mesh["tp"], plan_overrides=config.tp_plan)
-        if mesh.fsdp_mesh is not None:
-            apply_fsdp(stage, mesh.fsdp_mesh)
-        stages.append(stage)
-    tied_weights = None
-    if tied:
-        last_pp = 0 if info.placement == "v" else config.pp_size - 1
-        group = _tied_group(mesh, 0, last_pp) if last_pp != 0 else None
-        embed = stages[[s.index for s in mine].index(0)].get_input_embeddings().weight if any(
-            s.index == 0 for s in mine) else None
-        head = stages[[s.index for s in mine].index(num_stages - 1)].get_output_embeddings().weight if any(
-            s.index == num_stages - 1 for s in mine) else None
-        tied_weights = TiedWeights(embed, head, group)
+    stages = [make_stage_module(model, parts, spec, num_stages) for spec in mine]
     counts = [len(s.layers) for s in specs]
     logger.info("applied PP over %d ranks: %d stages (layers per stage %s), schedule %s, %d micro-batches",
                 config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)
-    pipe = PipelineModel(stages, mine, num_stages, mesh, config.pp_schedule, config.microbatches, device, loss,
-                         model.config, tied_weights)
-    if config.cp_size > 1:
-        from ..context_parallel.hf import pad_token_id, runtime_for
-
-        pipe.cp, pipe.pad_id = runtime_for(mesh, config), pad_token_id(model)
-    if config.pp_timeline:
-        from .timeline import TimelineRecorder, attach
-
-        attach(pipe, TimelineRecorder(mesh["pp"].get_group()), out_dir=config.pp_timeline,
-               write_at_step=config.pp_timeline_step)
-    return pipe
+    return PipelineSplit(model, mesh, config, device, stages, mine, num_stages, loss, tied)
