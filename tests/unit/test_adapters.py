@@ -1,0 +1,75 @@
+"""Bad PEFT / Trainer input is refused before any collective, with the value and the fix (one process)."""
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from nd_parallel.adapters import check_targets, expand_plan, lora_tp_styles
+from nd_parallel.config import ParallelismConfig
+from nd_parallel.hf_trainer import check_trainer_args
+from nd_parallel.tensor_parallel import check_adapters, match_plan, resolve_plan
+from nd_parallel.toy import tiny_config
+
+
+def _model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+
+def test_lora_follows_its_base_layer():
+    model = get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+    inner = model.get_base_model()
+    plan = expand_plan(inner, match_plan(inner, resolve_plan(inner, None)))
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert plan[f"{q}.base_layer"] == "colwise" and plan[f"{q}.lora_B.default"] == "colwise"
+    assert f"{q}.lora_A.default" not in plan and q not in plan  # A stays whole; the wrapper itself is not sharded
+    assert plan[f"{o}.base_layer"] == "rowwise" and plan[f"{o}.lora_A.default"] == "rowwise"
+    assert f"{o}.lora_B.default" not in plan
+
+
+def test_target_modules_matching_nothing_name_the_candidates():
+    with pytest.raises(ValueError, match=r"target_modules=\{'qkv'\} matches no module.*'q_proj'"):
+        check_targets(_model(), LoraConfig(target_modules=["qkv"]))
+
+
+def test_dora_and_ia3_are_refused_under_tp_with_the_layouts_where_they_work():
+    dora = get_peft_model(_model(), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)).get_base_model()
+    with pytest.raises(NotImplementedError, match=r"DoRA.*works under DDP, FSDP, HSDP, PP and CP"):
+        check_adapters(dora, None)
+    ia3 = get_peft_model(_model(), IA3Config(target_modules=["q_proj", "down_proj"],
+                                               feedforward_modules=["down_proj"])).get_base_model()
+    with pytest.raises(NotImplementedError, match=r"PEFT method IA3.*works under DDP, FSDP, HSDP, PP and CP"):
+        check_adapters(ia3, None)
+
+
+def test_lora_on_a_vocab_sharded_embedding_is_refused():
+    model = get_peft_model(_model(), LoraConfig(r=2, target_modules=["embed_tokens"])).get_base_model()
+    with pytest.raises(NotImplementedError, match="embed_tokens"):
+        lora_tp_styles("model.embed_tokens", model.model.embed_tokens, "embedding_rowwise")
+
+
+class _Args:
+    fsdp, deepspeed, parallelism_config, tp_size, eval_strategy = "", None, None, 1, "no"
+
+
+@pytest.mark.parametrize("field,value,needle", [("fsdp", "full_shard", "fsdp='full_shard'"),
+                                                ("deepspeed", "ds.json", "deepspeed='ds.json'"),
+                                                ("parallelism_config", object(), "parallelism_config"),
+                                                ("tp_size", 2, "tp_size=2")])
+def test_trainer_arguments_that_fight_the_layout(field, value, needle):
+    args = _Args()
+    setattr(args, field, value)
+    with pytest.raises(ValueError, match=needle):
+        check_trainer_args(args, object(), ParallelismConfig(dp_shard_size=2).resolve(2))
+
+
+def test_trainer_evaluation_under_pp_is_refused_until_the_pipeline_can_evaluate():
+    args = _Args()
+    args.eval_strategy = "steps"
+    from nd_parallel.hf_trainer import _pipeline_eval_missing
+
+    if not _pipeline_eval_missing():
+        pytest.skip("the pipeline evaluates: nothing to refuse")
+    with pytest.raises(NotImplementedError, match="eval_strategy='no'"):
+        check_trainer_args(args, object(), ParallelismConfig(pp_size=2).resolve(2))
