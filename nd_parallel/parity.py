@@ -24,6 +24,15 @@ class Recipe:
     # ~2e-5 while every loss and grad norm agrees to 1e-7. eps=1e-6 bounds the amplification at 250, so the
     # 1e-5 parameter tolerance tests the parallel math rather than the conditioning of Adam's division.
     adam_eps: float = 1e-6
+    eval_at: tuple[int, ...] = ()  # evaluate on the eval samples before these (0-based) optimizer steps
+
+
+@dataclass
+class EvalResult:
+    step: int
+    losses: list[float]  # the global-token-mean loss of each eval batch, as model(**batch) returned it
+    logits: torch.Tensor | None  # every eval sample's logits (gathered over dp), in dataset order, as fp32
+    logits_dtype: torch.dtype | None = None  # the dtype the model computed them in
 
 
 @dataclass
@@ -32,6 +41,8 @@ class RunResult:
     norms: list[float] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer: torch.optim.Optimizer | None = None  # train_layout's prepared optimizer: what this rank holds
+    evals: list[EvalResult] = field(default_factory=list)
+    model: torch.nn.Module | None = None  # train_layout's prepared model
 
 
 def _optimizer_and_schedule(model, recipe: Recipe):
@@ -66,14 +77,35 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe) -> RunResu
     return result
 
 
-def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None) -> RunResult:
+def evaluate(accelerator, model, loader, step: int) -> EvalResult:
+    """``model.eval()`` + ``no_grad`` over ``loader``: the loss of each batch and every sample's logits."""
+    model.eval()
+    losses, logits, dtype = [], [], None
+    with torch.no_grad():
+        for batch in loader:
+            out = model(**batch)
+            losses.append(out.loss.item())
+            dtype = out.logits.dtype
+            logits.append(accelerator.gather_for_metrics(out.logits.float()))
+    model.train()
+    return EvalResult(step, losses, torch.cat(logits).cpu(), dtype)
+
+
+def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None, eval_samples=None,
+                 model=None) -> RunResult:
     """The unchanged Accelerate loop of ARCHITECTURE.md, under whatever layout ``plugin`` holds."""
-    model = plugin.from_pretrained(model_dir)
+    model = model if model is not None else plugin.from_pretrained(model_dir)
     opt, sched = _optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    eval_loader = None
+    if eval_samples is not None:
+        eval_loader = accelerator.prepare(DataLoader(eval_samples, batch_size=recipe.per_rank_batch,
+                                                     collate_fn=_collate))
     result = RunResult()
     for step, batch in enumerate(loader):
+        if step in recipe.eval_at and eval_loader is not None:
+            result.evals.append(evaluate(accelerator, model, eval_loader, step))
         if step == recipe.steps:
             break
         out = model(**batch)
@@ -88,6 +120,7 @@ def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progre
             progress(step, out.loss.item())
     result.state = accelerator.get_state_dict(model)
     result.optimizer = opt
+    result.model = model
     return result
 
 

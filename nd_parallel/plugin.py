@@ -133,6 +133,10 @@ class NDParallelPlugin:
         accelerator.backward = self.backward
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
         accelerator.get_state_dict = self.get_state_dict
+        for name in ("gather", "gather_for_metrics"):  # evaluation.py: over the dp ranks only
+            self._originals[name] = getattr(accelerator, name)
+        accelerator.gather = self.gather
+        accelerator.gather_for_metrics = self.gather_for_metrics
         for name in ("save_state", "load_state", "save_model", "skip_first_batches"):  # checkpoint/ does these
             self._originals[name] = getattr(accelerator, name, None)
             setattr(accelerator, name, getattr(self, name))
@@ -331,6 +335,40 @@ class NDParallelPlugin:
         for piece in pieces:
             merged.update(piece)
         return merged
+
+    # -------------------------------------------------------------- evaluation
+    def gather(self, tensor):
+        """accelerator.gather (and so gather_for_metrics): over the data-parallel ranks only, since tp/cp/pp peers
+        hold the same samples; every rank gets the whole result."""
+        from .evaluation import gather_objects_over, gather_over
+
+        if self._mesh is None or self.accelerator.num_processes == 1:
+            return self._originals["gather"](tensor)
+        group = self.mesh["dp"].get_group()
+        if isinstance(tensor, list) and tensor and not isinstance(tensor[0], torch.Tensor):
+            return gather_objects_over(tensor, group)
+        return gather_over(tensor, group)
+
+    def gather_for_metrics(self, input_data, use_gather_object=False):
+        """Accelerate's, over the dp ranks (tensors through ``gather`` above; other objects here), dropping the
+        duplicated tail of the last batch as Accelerate does."""
+        from accelerate.utils import recursively_apply
+
+        from .evaluation import gather_objects_over
+
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        if (all_tensors and not use_gather_object) or self._mesh is None or self.accelerator.num_processes == 1:
+            return self._originals["gather_for_metrics"](input_data, use_gather_object=use_gather_object)
+        objects = input_data if isinstance(input_data, list) else [input_data]
+        data = gather_objects_over(objects, self.mesh["dp"].get_group())
+        state = self.accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return data[: state.remainder]
+        return data
 
     # ------------------------------------------------------------- checkpoints
     def save_state(self, output_dir=None, **kwargs):

@@ -242,8 +242,9 @@ def gather_sequence(local: torch.Tensor, runtime: CPRuntime, seq_len: int) -> to
 class SequenceSharding:
     """Forward hooks on a prepared (non-pipelined) model: shard the batch in, run under the CP runtime.
 
-    With labels the output is this rank's loss share (loss.py turns it into the global mean). Without labels
-    the logits are gathered back into the full sequence, so evaluation code sees what one process returns.
+    With labels the output is this rank's loss share (loss.py turns it into the global mean). Without labels, or
+    under ``torch.no_grad()``, the logits are gathered back into the full sequence, so evaluation code sees what
+    one process returns.
     """
 
     def __init__(self, model: nn.Module, runtime: CPRuntime):
@@ -279,7 +280,8 @@ class SequenceSharding:
             return None
         token, seq_len, has_labels = self._state.pop()
         _ACTIVE.reset(token)
-        if has_labels or getattr(output, "logits", None) is None:
+        # Training with labels needs only the loss; evaluation returns the logits one process would.
+        if (has_labels and torch.is_grad_enabled()) or getattr(output, "logits", None) is None:
             return None
         output.logits = gather_sequence(output.logits, self.runtime, seq_len)
         return output

@@ -8,13 +8,15 @@ import torch.distributed as dist
 from ..loss import count_label_tokens
 
 
-def check_step_inputs(input_ids: torch.Tensor, labels, unused: dict, microbatches: int) -> None:
+def check_step_inputs(input_ids: torch.Tensor, labels, unused: dict, microbatches: int,
+                      labels_required: bool = True) -> None:
     extra = {k for k, v in unused.items() if v is not None}
     if extra:
         raise NotImplementedError(f"under pipeline parallelism the model takes input_ids, labels, attention_mask "
                                   f"and position_ids; got also {sorted(extra)}")
-    if labels is None:
-        raise ValueError("under pipeline parallelism every forward is a training step: pass labels")
+    if labels is None and labels_required:
+        raise ValueError("under pipeline parallelism a forward in training mode is a training step: pass labels, "
+                         "or call model.eval() (and torch.no_grad()) for a forward-only pass that returns logits")
     if input_ids.shape[0] % microbatches:
         raise ValueError(
             f"the batch of {input_ids.shape[0]} samples per data-parallel rank cannot be split into "

@@ -21,6 +21,7 @@ from ..context_parallel.sharding import isolates_documents
 from .step_inputs import check_step_inputs, global_label_tokens
 
 logger = logging.getLogger(__name__)
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # logits dtypes, by index on the wire
 
 
 class PipelineLoss:
@@ -83,7 +84,14 @@ class PipelineModel(nn.Module):
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
                 use_cache=None, **unused):
-        check_step_inputs(input_ids, labels, unused, self.microbatches)
+        """A training step (forward + backward of every micro-batch), or under ``model.eval()`` / ``no_grad`` a
+        forward-only pass that touches no gradient and returns the loss (if labels) and the full logits."""
+        evaluating = not (self.training and torch.is_grad_enabled())
+        check_step_inputs(input_ids, labels, unused, self.microbatches, labels_required=not evaluating)
+        seq_len = input_ids.shape[1]
+        has_labels = labels is not None
+        if not has_labels:  # the last stage's loss function needs a target: one that counts no token
+            labels = torch.full_like(input_ids, -100)
         side = {k: v for k, v in (("attention_mask", attention_mask), ("position_ids", position_ids)) if v is not None}
         # Stages run without a KV cache; transformers separates packed documents only then, so tell the stages
         # what the single-process forward would do with this call's use_cache.
@@ -102,13 +110,45 @@ class PipelineModel(nn.Module):
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.has_first else ()
         target = labels if self.has_last else None
+        if evaluating:
+            with self._cp_active(), torch.no_grad():
+                logits = schedule.eval(*args, target=target, losses=losses, **side)
+            return CausalLMOutputWithPast(loss=self._global_loss(losses) if has_labels else None,
+                                          logits=self._share_logits(logits, input_ids.shape[0], seq_len))
         if self.tied is not None:
             self.tied.snapshot()
         with self._cp_active():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
         if self.tied is not None:
             self.tied.sync_grads()
-        return CausalLMOutputWithPast(loss=self._global_loss(losses))
+        loss = self._global_loss(losses)
+        loss._nd_parallel_backward_done = True  # accelerator.backward(loss) becomes a no-op
+        return CausalLMOutputWithPast(loss=loss)
+
+    def _share_logits(self, logits: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor:
+        """The last stage's logits on every pp rank, over the whole sequence (cp shards gathered back)."""
+        if self.cp is not None and logits is not None:
+            from ..context_parallel.hf import gather_sequence
+
+            logits = gather_sequence(logits, self.cp, seq_len)
+        group = self.mesh["pp"].get_group()
+        # Only the last stage knows the vocabulary width and dtype the head produced: send those first.
+        meta = torch.zeros(2, dtype=torch.int64, device=self.device)
+        if logits is not None:
+            meta[0], meta[1] = logits.shape[-1], _DTYPES.index(logits.dtype)
+        dist.broadcast(meta, group=group, group_src=self.last_stage_pp_rank)
+        if logits is None:
+            logits = torch.empty(batch, seq_len, int(meta[0]), dtype=_DTYPES[int(meta[1])], device=self.device)
+        else:
+            logits = logits.contiguous()
+        dist.broadcast(logits, group=group, group_src=self.last_stage_pp_rank)
+        return logits
+
+    def generate(self, *args, **kwargs):
+        raise NotImplementedError(
+            "generate() under pipeline parallelism: each decoding step would be a full pipeline pass with one "
+            "token in flight, so it is not offered; save the model (accelerator.save_model) and generate with it "
+            "unprepared, or prepare it with a layout without pp (DDP, FSDP, TP)")
 
     def _cp_active(self):
         import contextlib
@@ -126,5 +166,4 @@ class PipelineModel(nn.Module):
         dist.all_reduce(value, group=self.mesh["dp_cp"].get_group())
         pp_group = self.mesh["pp"].get_group()
         dist.broadcast(value, group=pp_group, group_src=self.last_stage_pp_rank)
-        value._nd_parallel_backward_done = True  # accelerator.backward(loss) becomes a no-op
         return value
