@@ -232,7 +232,7 @@ def report(data: dict, args, model_dirs: dict) -> dict:
                        accelerate_err=others["accelerate"] / measured - 1,
                        deepspeed_err=(others["deepspeed"] / measured - 1) if others["deepspeed"] else None)
         rows.append(row)
-    return {"rates": r, "rows": rows, "summary": summarize(rows)}
+    return {"rates": r, "rows": rows, "summary": summarize(rows), "raw": data}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -278,6 +278,17 @@ def print_report(rep: dict) -> None:
                   f"{v['top_gap']:+.1%} vs the best measured ({v['measured_best']}) (target <= 10%)")
 
 
+def _save_models(args, tmp: str) -> dict[str, str]:
+    from nd_parallel.toy import save_tiny_model
+
+    dirs = {}
+    for shape in args.shapes.split(","):
+        family, overrides = SHAPES[shape]
+        dirs[shape] = str(save_tiny_model(family, Path(tmp) / shape, max_position_embeddings=max(args.seq, 256),
+                                          **overrides))
+    return dirs
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=256)
@@ -294,19 +305,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    if args.from_json:
-        return print_report(json.loads(Path(args.from_json).read_text()))
+    if args.from_json:  # predict again (the model may have changed) against the stored measurements
+        old = json.loads(Path(args.from_json).read_text())
+        with tempfile.TemporaryDirectory() as tmp:
+            rep = report(old["raw"], args, _save_models(args, tmp))
+        return print_report(rep)
     if args.quick:
         args.layouts, args.shapes, args.steps = ",".join(QUICK), next(iter(SHAPES)), 2
     from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {}
-        for shape in args.shapes.split(","):
-            family, overrides = SHAPES[shape]
-            dirs[shape] = str(save_tiny_model(family, Path(tmp) / shape, max_position_embeddings=max(args.seq, 256),
-                                              **overrides))
+        dirs = _save_models(args, tmp)
         forwarded = [f"--seq={args.seq}", f"--global-batch={args.global_batch}", f"--steps={args.steps}",
                      f"--layouts={args.layouts}", f"--models={json.dumps(dirs)}"]
         data = launch_for_result(__file__, WORLD, forwarded, timeout=3000,

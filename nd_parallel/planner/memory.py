@@ -149,7 +149,9 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     activations = flight * tokens * (n_layers * saved + final_norm)
     pipeline = flight * tokens * 2 * b * spec.hidden * len(stages) if p > 1 else 0  # stage output + recv buffer
     at_loss, held = logits_bytes_per_token(spec, train)
-    logits = tokens * at_loss if has_last else 0
+    # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
+    # all of them); the one whose backward starts also has both gradients.
+    logits = tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)) if has_last else 0
     held_logits = tokens * held if has_last else 0
     comm = 0.0
     if layout.fsdp:  # unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group

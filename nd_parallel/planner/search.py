@@ -183,7 +183,7 @@ def _knobs(lay: Layout) -> str:
     bits = [f"micro-batch {lay.micro_batch} x {lay.microbatches}"]
     if lay.schedule:
         bits.append(lay.schedule)
-    return ", ".join(bits + [f"{lay.checkpointing} checkpointing"])
+    return ", ".join(bits + ["no checkpointing" if lay.checkpointing == "none" else f"{lay.checkpointing} checkpointing"])
 
 
 def check_inputs(spec: ModelSpec, train: Training, cluster: Cluster, cons: Constraints) -> None:

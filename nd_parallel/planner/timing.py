@@ -90,7 +90,9 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     if layout.fsdp:
         n, bw = layout.shard, _bandwidth(layout, cluster, "dp_shard")
         per_group = (n_layers + 1)  # one group per layer + the root
-        gathers = 2 * _gather(b * total, n, bw, 0) + _gather(FP32 * trainable, n, bw, 0)
+        # gloo has no reduce-scatter: torch runs an all-reduce of the whole gradient instead
+        scatter = (_allreduce if cluster.device == "cpu" else _gather)(FP32 * trainable, n, bw, 0)
+        gathers = 2 * _gather(b * total, n, bw, 0) + scatter
         out["fsdp"] = m * (gathers + 3 * per_group * lat * (n > 1))
         out["dp"] = m * (_allreduce(FP32 * trainable / n, layout.dp_replicate,
                                     _bandwidth(layout, cluster, "dp_replicate"), 0)
