@@ -117,8 +117,11 @@ def requested_mode(model: nn.Module, configured: str | None) -> str | None:
     """
     check_mode(configured)
     hf_on = _hf_checkpointing_on(model)
-    if hf_on and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    if hf_on:
+        for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):  # renamed in 5.2x
+            if hasattr(model, name):
+                getattr(model, name)()
+                break
     return configured or ("full" if hf_on else None)
 
 

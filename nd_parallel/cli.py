@@ -58,6 +58,11 @@ class TrainConfig:
     """Linear warm-up steps. Default 0."""
     seed: int = 42
     """Seed set on every rank before the model is loaded. Default 42."""
+    bf16: bool | str = False
+    """bf16 mixed precision (fp32 master weights, bf16 compute, fp32 reductions): true, false (default) or "auto"
+    (bf16 where the GPUs support it, fp32 on CPU ranks, where bf16 matmuls are slower than fp32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward (activation_checkpointing: full). Default false."""
     output_dir: str = "outputs/nd-parallel"
     """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
     parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -142,6 +147,12 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     for key in _CHECKS:
         if train.get(key) is not None:
             train[key] = _check_value(path, key, train[key])
+    if train.get("bf16", False) not in (True, False, "auto"):
+        raise ConfigError(f"{path}: bf16={train['bf16']!r}; use true, false or auto")
+    if not isinstance(train.get("gradient_checkpointing", False), bool):
+        raise ConfigError(f"{path}: gradient_checkpointing={train['gradient_checkpointing']!r}; use true or false")
+    if train.get("gradient_checkpointing") and layout.activation_checkpointing is None:
+        layout = dataclasses.replace(layout, activation_checkpointing="full")
     if train.get("lr_scheduler", "cosine") not in SCHEDULERS:
         raise ConfigError(f"{path}: lr_scheduler={train['lr_scheduler']!r}; use one of {', '.join(SCHEDULERS)}")
     return TrainConfig(**train, datasets=specs, parallel=layout)

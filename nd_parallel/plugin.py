@@ -134,7 +134,7 @@ class NDParallelPlugin:
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
         accelerator.get_state_dict = self.get_state_dict
         for name in ("gather", "gather_for_metrics"):  # evaluation.py: over the dp ranks only
-            self._originals[name] = getattr(accelerator, name)
+            self._originals[name] = getattr(accelerator, name, None)
         accelerator.gather = self.gather
         accelerator.gather_for_metrics = self.gather_for_metrics
         for name in ("save_state", "load_state", "save_model", "skip_first_batches"):  # checkpoint/ does these

@@ -305,6 +305,13 @@ def _train(accelerator, plugin, job, samples, bar):
     return losses, norms, {}, optimizer
 
 
+def mixed_precision(bf16) -> str:
+    """Accelerate's mixed_precision for the YAML's ``bf16``: "auto" is bf16 only on GPUs that support it."""
+    if bf16 == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if bf16 else "no"
+
+
 def run_rank(job: dict) -> dict | None:
     """Train one job on this rank; rank 0 returns (and writes to job["results"]) every rank's results."""
     import torch.distributed as dist
@@ -316,7 +323,7 @@ def run_rank(job: dict) -> dict | None:
     if job.get("quiet"):  # the demo's output is its table: hide library warnings meant for developers
         warnings.filterwarnings("ignore")
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    accelerator = Accelerator()
+    accelerator = Accelerator(mixed_precision=mixed_precision(job.get("train", {}).get("bf16", False)))
     plugin = NDParallelPlugin(ParallelismConfig(**job["layout"])).attach(accelerator)
     samples = job["samples"] if isinstance(job["samples"], list) else torch.load(job["samples"], weights_only=True)
     with _progress(accelerator, job["steps"], job["name"]) as bar:

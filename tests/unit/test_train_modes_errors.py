@@ -1,0 +1,110 @@
+"""Bad precision / checkpointing input is refused before any collective, naming the value and the fix."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nd_parallel import NDParallelPlugin, ParallelismConfig
+from nd_parallel.activation_checkpoint import CheckpointedForward, apply_activation_checkpointing
+from nd_parallel.config import ConfigError
+from nd_parallel.precision import check_mixed_precision, policy_for
+
+from .test_plugin_errors import fake_accelerator, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not dist.is_initialized()
+    yield
+    assert not dist.is_initialized(), "a check started communicating"
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("fp16", "use mixed_precision='bf16'"),
+    ("fp8", "fp8' is not supported"),
+    ("bf32", "mixed_precision='bf32' is not a precision; use 'no' (fp32) or 'bf16'"),
+])
+def test_unsupported_mixed_precision_refused_at_attach(value, expected):
+    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2))
+    with pytest.raises((ValueError, NotImplementedError)) as err:
+        plugin.attach(fake_accelerator(num_processes=2, mixed_precision=value))
+    assert expected in str(err.value)
+
+
+def test_bf16_with_deepspeed_pipeline_refused():
+    pytest.importorskip("deepspeed")
+    plugin = NDParallelPlugin(ParallelismConfig(pp_size=2, pp_backend="deepspeed"))
+    with pytest.raises(NotImplementedError, match="use pp_backend='torch'"):
+        plugin.attach(fake_accelerator(num_processes=2, mixed_precision="bf16"))
+
+
+def test_bf16_policy_keeps_fp32_reduction():
+    policy = policy_for("bf16")
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert policy_for("no") is None and policy_for(None) is None
+    check_mixed_precision("no")
+
+
+@pytest.mark.parametrize("value", ["ful", "Full", "sel", True, 1])
+def test_unknown_activation_checkpointing_mode(value):
+    with pytest.raises(ConfigError) as err:
+        ParallelismConfig(activation_checkpointing=value)
+    assert f"activation_checkpointing={value!r} is not a mode" in str(err.value) and "'selective'" in str(err.value)
+
+
+def test_checkpointing_every_must_be_positive():
+    with pytest.raises(ConfigError, match="activation_checkpointing_every=0"):
+        ParallelismConfig(activation_checkpointing="full", activation_checkpointing_every=0)
+
+
+class NoLayers(nn.Module):
+    """A causal-LM-shaped module with nothing that looks like a stack of decoder layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
+def test_checkpointing_a_model_without_layers_refused_at_prepare():
+    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2, activation_checkpointing="full"))
+    plugin.attach(fake_accelerator(num_processes=2))
+    with pytest.raises(ValueError) as err:
+        plugin.prepare(NoLayers())
+    assert "NoLayers has no stack of decoder layers" in str(err.value)
+    assert "activation_checkpointing=None" in str(err.value)
+
+
+def test_checkpointing_wraps_each_kth_layer_and_keeps_names():
+    model = tiny_model(num_hidden_layers=4)
+    names = [n for n, _ in model.named_parameters()]
+    assert apply_activation_checkpointing(model, "full", every=2) == 2
+    wrapped = [isinstance(layer.forward, CheckpointedForward) for layer in model.model.layers]
+    assert wrapped == [True, False, True, False]
+    assert [n for n, _ in model.named_parameters()] == names  # HF names unchanged
+    assert apply_activation_checkpointing(model, "full", every=2) == 0  # idempotent
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointing_changes_no_gradient_in_one_process(mode):
+    torch.manual_seed(0)
+    ids = torch.randint(1, 256, (2, 16))
+    grads = {}
+    for m in (None, mode):
+        torch.manual_seed(0)
+        model = tiny_model(num_hidden_layers=2)
+        apply_activation_checkpointing(model, m)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[m] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert all(torch.equal(grads[None][n], grads[mode][n]) for n in grads[None])
+
+
+def test_hf_switch_is_taken_over():
+    from nd_parallel.activation_checkpoint import requested_mode
+
+    model = tiny_model(num_hidden_layers=2)
+    model.gradient_checkpointing_enable()
+    assert requested_mode(model, None) == "full"
+    assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
+    assert requested_mode(model, "selective") == "selective"
