@@ -8,6 +8,7 @@ PEFT / transformers in one process) and resume a LoRA run from save_state under 
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,7 +75,7 @@ def runs(model_dirs, tmp_path_factory):
                     "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
             (out / "spec.json").write_text(json.dumps(spec))
             launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True,
-                   env={"PYTHONPATH": str(Path(__file__).parent)})
+                   env={"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)})
             done[name] = out
         return done[name]
 

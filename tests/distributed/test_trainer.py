@@ -7,6 +7,7 @@ save_strategy) and is resumed under another layout with train(resume_from_checkp
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ from nd_parallel.launch import launch
 
 WORKER = "tests/distributed/trainer_worker.py"
 HERE = str(Path(__file__).parent)
+# The rank programs import peft_recipe from here; a PYTHONPATH already set (e.g. another transformers) is kept.
+PYPATH = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 ARGS = dict(gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0)
 PER_RANK = 2
@@ -70,7 +73,7 @@ def runs(model_dir, tmp_path_factory):
                 extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
                 spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
             launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
-                   env={"PYTHONPATH": HERE})
+                   env={"PYTHONPATH": PYPATH})
             done[name] = out
         return done[name]
 
@@ -87,7 +90,7 @@ def references(model_dir, tmp_path_factory):
             spec = _spec(out, model_dir, [["ref", None, dict(ARGS, per_device_train_batch_size=PER_RANK * dp),
                                            {"lora": lora}]])
             subprocess.run([sys.executable, WORKER, str(out), str(spec)], check=True, capture_output=True,
-                           env={**__import__("os").environ, "PYTHONPATH": HERE, "ACCELERATE_USE_CPU": "true"})
+                           env={**os.environ, "PYTHONPATH": PYPATH, "ACCELERATE_USE_CPU": "true"})
             cache[dp, lora] = torch.load(out / "ref.pt", weights_only=True)
         return cache[dp, lora]
 
