@@ -51,10 +51,19 @@ LAYOUTS = {
     "pp2_fsdp2_1f1b": (dict(pp_size=2, dp_shard_size=2, pp_microbatches=2), {}),
     "pp4_1f1b": (dict(pp_size=4, pp_microbatches=4), {}),
     "pp2_tp2_gpipe": (dict(pp_size=2, tp_size=2, pp_schedule="gpipe", pp_microbatches=2), {}),
-    "fsdp4_full_ckpt": (dict(dp_shard_size=4), {"ckpt": "full"}),
-    "cp2_fsdp2_full_ckpt": (dict(cp_size=2, dp_shard_size=2), {"ckpt": "full"}),
+    "fsdp4_full_ckpt": (dict(dp_shard_size=4, activation_checkpointing="full"), {}),
+    "cp2_fsdp2_full_ckpt": (dict(cp_size=2, dp_shard_size=2, activation_checkpointing="full"), {}),
     "fsdp4_lora": (dict(dp_shard_size=4), {"lora": 8}),
 }
+# Added once bf16 mixed precision and selective checkpointing landed (run them with --layouts; see docs).
+EXTRA = {
+    "fsdp4_selective_ckpt": (dict(dp_shard_size=4, activation_checkpointing="selective"), {}),
+    "fsdp4_bf16": (dict(dp_shard_size=4), {"bf16": True}),
+    "fsdp2_tp2_bf16": (dict(dp_shard_size=2, tp_size=2), {"bf16": True}),
+    "pp2_fsdp2_bf16_full_ckpt": (dict(pp_size=2, dp_shard_size=2, pp_microbatches=2,
+                                      activation_checkpointing="full"), {"bf16": True}),
+}
+LAYOUTS.update(EXTRA)
 QUICK = ("fsdp4", "fsdp2_tp2", "cp2_fsdp2", "pp2_fsdp2_1f1b")
 
 
@@ -93,13 +102,14 @@ def _measure(args, model_dir: str, name: str) -> dict:
     from nd_parallel import NDParallelPlugin, ParallelismConfig
 
     kwargs, extra = LAYOUTS[name]
-    accelerator = Accelerator()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()  # the precision is fixed per AcceleratorState; layouts differ in it
+    accelerator = Accelerator(mixed_precision="bf16" if extra.get("bf16") else "no")
     plugin = NDParallelPlugin(ParallelismConfig(**kwargs)).attach(accelerator)
     dp = plugin.config.dp_size
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    if extra.get("ckpt") == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if extra.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -172,7 +182,7 @@ def _layout(name: str, args):
     m = kwargs.get("pp_microbatches", 1)
     return Layout(**sizes, micro_batch=per_rank // m, microbatches=m,
                   schedule=kwargs.get("pp_schedule", "1f1b") if lay.pp > 1 else None,
-                  checkpointing=extra.get("ckpt", "none")), extra.get("lora")
+                  checkpointing=kwargs.get("activation_checkpointing") or "none"), extra
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -216,9 +226,11 @@ def report(data: dict, args, model_dirs: dict) -> dict:
     rows = []
     for key, run in data["runs"].items():
         shape, name = key.split("/")
-        lay, lora = _layout(name, args)
+        lay, extra = _layout(name, args)
+        lora = extra.get("lora")
         spec = spec_from_path(model_dirs[shape])
-        train = Training(seq_len=args.seq, global_batch=args.global_batch, dtype="fp32", lora_rank=lora)
+        train = Training(seq_len=args.seq, global_batch=args.global_batch,
+                         dtype="bf16" if extra.get("bf16") else "fp32", lora_rank=lora)
         mem = peak_memory(spec, train, lay, cluster)
         row = {"shape": shape, "layout": name, "predicted_peak": mem.peak, "predicted_phase": mem.phase,
                "predicted_parts": mem.parts, "predicted_step_s": sum(step_time(spec, train, lay, cluster).values())}
@@ -294,7 +306,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per layout after one warm-up")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default=",".join(k for k in LAYOUTS if k not in EXTRA))
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the report here")

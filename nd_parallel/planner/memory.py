@@ -154,11 +154,11 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     logits = tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)) if has_last else 0
     held_logits = tokens * held if has_last else 0
     comm = 0.0
-    if layout.fsdp:  # unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group
+    # Unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group. Under bf16 every
+    # layout has them: fully_shard runs even over one rank, to cast the fp32 weights (precision.py).
+    if layout.fsdp or train.dtype == "bf16":
         one_layer = spec.layer_tp_params / layout.tp + spec.layer_params - spec.layer_tp_params
         comm += b * one_layer * (2 if cluster.device == "cuda" else 1) + b * outer
-    elif train.dtype == "bf16":
-        comm += b * total  # autocast keeps a bf16 copy of every weight it casts until backward ends
     if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
         comm += 4 * b * tokens * spec.kv_dim / layout.tp
     grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0
