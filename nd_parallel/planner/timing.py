@@ -52,10 +52,8 @@ def _rank_mb_seconds(spec: ModelSpec, train: Training, layout: Layout, cluster: 
     attention = 2 * train.seq_len * spec.q_dim / tp * (1 + 2 + recompute)
     lora = 6 * spec.lora_layer_params(train.lora_rank) if frozen else 0
     flops = tokens * n_layers * (matmul + attention + lora)
-    saved, redo = layer_activation_bytes(spec, train, tp, "none")[0], 0.0
-    if layout.checkpointing != "none":
-        kept, transient = layer_activation_bytes(spec, train, tp, layout.checkpointing)
-        redo = transient
+    saved = layer_activation_bytes(spec, train, tp, "none")[0]
+    redo = layer_activation_bytes(spec, train, tp, layout.checkpointing)[1]  # recomputed bytes, 0 without
     traffic = tokens * n_layers * (3 * saved + 2 * redo)
     if layout.pp * layout.virtual - 1 in stages:
         vocab = spec.vocab / tp if spec.head_tp_sharded and spec.vocab % tp == 0 else spec.vocab
