@@ -112,10 +112,12 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
 
 
 def _no_dispatch_modes():
-    if torch._C._len_torch_dispatch_stack() == 0:
-        return contextlib.nullcontext()
-    from torch.utils._python_dispatch import _disable_current_modes
+    """Dispatch modes off while selective checkpointing's are on the stack (other modes, e.g. memory trackers,
+    keep seeing the kernels' ops)."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+    if not any(type(m).__module__ == "torch.utils.checkpoint" for m in _get_current_dispatch_mode_stack()):
+        return contextlib.nullcontext()
     return _disable_current_modes()
 
 

@@ -81,6 +81,12 @@ def main(out_dir: str, spec_path: str) -> None:
         if run.get("generate"):
             prompts = [{"input_ids": s["input_ids"][:8]} for s in make_samples(n=8, seq_len=8, seed=3, min_len=8)]
             saved["tokens"] = generate(accelerator, result.model, prompts, run["generate"])
+        if run.get("generate_refused"):  # pp / cp: refused with the reason, on every rank, before communicating
+            try:
+                result.model.generate(input_ids=torch.ones(2, 4, dtype=torch.long), max_new_tokens=2)
+                saved["generate_error"] = None
+            except (NotImplementedError, ValueError) as err:
+                saved["generate_error"] = str(err)
         if run.get("mixed_precision", "no") != "no":
             batch = next(iter(accelerator._dataloaders[0]))
             problems = dtype_report(result.model, result.optimizer, batch, accelerator)

@@ -97,7 +97,7 @@ def _plan():
     for fam in EVAL_FAMILIES:
         runs.append(_run(f"ref_eval_{fam}", fam, 1, {}, steps=4, eval_at=(0, 2), generate=4))
         for n, (w, lay) in EVAL_LAYOUTS.items():
-            gen = {"generate": 4} if n in GENERATE else {}
+            gen = {"generate": 4} if n in GENERATE else {"generate_refused": True} if n in ("pp2", "cp2") else {}
             runs.append(_run(f"eval_{n}_{fam}", fam, w, lay, steps=4, eval_at=(0, 2), **gen))
             if n in EXACT_AFTER_EVAL:
                 runs.append(_run(f"noeval_{n}_{fam}", fam, w, lay, steps=4))
@@ -198,3 +198,7 @@ def test_evaluation_matches_one_process(layout, family, results):
         assert all(torch.equal(run["state"][k], twin["state"][k]) for k in twin["state"])
     if layout in GENERATE:
         assert torch.equal(run["tokens"], ref["tokens"]), (run["tokens"], ref["tokens"])
+    if layout == "pp2":
+        assert "generate() under pipeline parallelism" in run["generate_error"]
+    if layout == "cp2":
+        assert "under context parallelism: generation is not sequence-parallel" in run["generate_error"]

@@ -1,0 +1,178 @@
+"""Activation checkpointing: saved-activation bytes and step time with none / selective / full, per layout.
+
+For each layout (one process, FSDP2, TP2, PP2, CP2 on 2 ranks) and each mode, one launch trains a Llama-shaped
+model at a sequence long enough that activations dominate (default hidden 256, 4 layers, seq 1024, fp32):
+
+- **held bytes**: tensor storage created during one training forward and still alive when it returns (what
+  autograd keeps for backward: saved activations, checkpointed layer inputs, the loss), counted by a dispatch
+  mode over storages, leaving out parameters (FSDP's unsharded root). Max over ranks.
+- **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank. The modes
+  alternate step by step inside one launch, so machine noise hits them alike.
+
+The formula to compare with: "full" keeps each layer's input, ~2·s·b·h bytes per layer in bf16 (4·s·b·h in
+fp32 here), plus the embedding output, final norm and logits.
+
+    python benchmarks/bench_activation_checkpointing.py            # seq 1024, 3 timed steps per mode
+    python benchmarks/bench_activation_checkpointing.py --quick    # smoke run (seq 256)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MODES = (None, "selective", "full")
+LAYOUTS = {"one": (1, {}), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
+           "pp2": (2, dict(pp_size=2, pp_microbatches=2)), "cp2": (2, dict(cp_size=2))}
+
+
+class HeldAfterForward(TorchDispatchMode):
+    """Storages that ops return during a forward, each counted once; ``held()`` sums those still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, tuple] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+                # The storage, not the tensor: selective checkpointing keeps a detached alias of an op's output,
+                # whose storage outlives the tensor object the op returned.
+                st = t.untyped_storage()
+                self.refs.setdefault(id(st), (weakref.ref(st), st.data_ptr()))
+        return out
+
+    def held(self, exclude_ptrs: set[int]) -> int:
+        total, seen = 0, set()
+        for ref, ptr in self.refs.values():
+            st = ref()
+            if st is None or ptr in exclude_ptrs or ptr in seen:
+                continue
+            seen.add(ptr)
+            total += st.nbytes()
+        return total
+
+
+def _param_ptrs(model) -> set[int]:
+    ptrs = set()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        ptrs.add(local.untyped_storage().data_ptr())
+    return ptrs
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.utils.data import DataLoader
+
+    from nd_parallel import NDParallelPlugin, ParallelismConfig
+    from nd_parallel.parity import _collate
+    from nd_parallel.toy import make_samples
+
+    layout = json.loads(args.layout)
+    samples = make_samples(n=4, seq_len=args.seq, min_len=args.seq)
+    runs = {}
+    for mode in MODES:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        accelerator = Accelerator()
+        plugin = NDParallelPlugin(ParallelismConfig(**layout, activation_checkpointing=mode)).attach(accelerator)
+        model = plugin.from_pretrained(args.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        per_rank = 2 if layout.get("pp_size", 1) > 1 else 1
+        loader = DataLoader(samples, batch_size=per_rank, collate_fn=_collate)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        runs[mode] = (accelerator, model, opt, next(iter(loader)))
+    held, times = {}, {m: [] for m in MODES}
+    for step in range(args.warmup + args.steps):
+        for mode, (accelerator, model, opt, batch) in runs.items():
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            tracker = HeldAfterForward() if step == 0 else None
+            if tracker is not None:
+                with tracker:
+                    out = model(**batch)
+                held[mode] = tracker.held(_param_ptrs(model))
+            else:
+                out = model(**batch)
+            accelerator.backward(out.loss)
+            opt.step()
+            opt.zero_grad()
+            out.loss.item()
+            if step >= args.warmup:
+                times[mode].append(time.perf_counter() - start)
+    mine = {"held": held, "time": {str(m): statistics.median(t) for m, t in times.items()}}
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        result = {"held": {str(m): max(r["held"][m] for r in every) for m in MODES},
+                  "time": {str(m): max(r["time"][str(m)] for r in every) for m in MODES}}
+        Path(args.result).write_text(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--result")
+    parser.add_argument("--layout")
+    parser.add_argument("--model")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.seq, args.steps = 256, 1
+    from nd_parallel.launch import launch_for_result
+    from nd_parallel.toy import save_tiny_model
+
+    h = args.hidden
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(save_tiny_model("llama", Path(tmp) / "m", hidden_size=h, intermediate_size=4 * h,
+                                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                                    head_dim=h // 8, max_position_embeddings=max(4096, args.seq),
+                                    tie_word_embeddings=False))
+        for name in args.layouts.split(","):
+            world, layout = LAYOUTS[name]
+            print(f"-- {name} ({world} rank(s))", file=sys.stderr, flush=True)
+            res = launch_for_result(__file__, world, [f"--seq={args.seq}", f"--steps={args.steps}",
+                                                      f"--warmup={args.warmup}", f"--layout={json.dumps(layout)}",
+                                                      f"--model={model}"], timeout=1800)
+            rows.append((name, res))
+    per_layer_full = 4 * args.seq * h  # fp32 input of one layer, batch 1 (per micro-batch)
+    print(f"\nllama h={h}, {args.layers} layers, seq {args.seq}, fp32; 'full' formula: 4*s*b*h = "
+          f"{per_layer_full / 2**20:.2f} MiB per layer input\n")
+    print("| layout | held none (MiB) | selective | full | selective / none | full / none | "
+          "time selective / none | time full / none |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, res in rows:
+        h_none, h_sel, h_full = (res["held"][str(m)] / 2**20 for m in MODES)
+        t_none, t_sel, t_full = (res["time"][str(m)] for m in MODES)
+        print(f"| {name} | {h_none:.1f} | {h_sel:.1f} | {h_full:.1f} | {h_sel / h_none:.2f} | {h_full / h_none:.2f} | "
+              f"{t_sel / t_none:.2f}x | {t_full / t_none:.2f}x |")
+    print("\nraw:", json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
