@@ -386,6 +386,11 @@ class DeepSpeedPipelineModel(nn.Module):
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
                 **unused):
+        if not (self.training and torch.is_grad_enabled()):
+            raise NotImplementedError(
+                "evaluation (model.eval() / torch.no_grad()) under pp_backend='deepspeed' is not offered: its engine "
+                "runs training steps only here; use pp_backend='torch', whose forward-only schedule returns the loss "
+                "and the logits")
         check_step_inputs(input_ids, labels, unused, self.microbatches)
         self._check_no_accumulation()
         self.loss.start(global_label_tokens(labels, self.mesh, num_items_in_batch))

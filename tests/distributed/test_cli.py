@@ -215,3 +215,27 @@ def test_adopt_launcher_env_hands_the_layout_to_nd_parallel():
     assert env["PARALLELISM_CONFIG_TP_SIZE"] == "2"
     if not torch.cuda.is_available():
         assert env["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_train_yaml_bf16_and_gradient_checkpointing(tmp_path):
+    """`bf16: true` + `gradient_checkpointing: true` under FSDP2 train end to end: the YAML keys map onto
+    Accelerator(mixed_precision="bf16") and activation_checkpointing="full"; the saved weights are fp32 (the
+    master copy), the loss falls."""
+    from transformers import AutoModelForCausalLM
+
+    path = _write_train_yaml(tmp_path, dp_shard_size=2, bf16=True, gradient_checkpointing=True)
+    assert load_train_config(path).parallel.activation_checkpointing == "full"
+    _cli("train", str(path))
+    logged = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in logged) and logged[-1]["loss"] < logged[0]["loss"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(p.dtype == torch.float32 for p in reloaded.parameters())
+
+
+@pytest.mark.parametrize("text,match", [("bf16: maybe\n", "bf16='maybe'; use true, false or auto"),
+                                        ("gradient_checkpointing: full\n", "gradient_checkpointing='full'")])
+def test_train_yaml_precision_keys_refused(tmp_path, text, match):
+    path = _yaml(tmp_path, "base_model: m\ndataset_path: d.txt\n" + text)
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
