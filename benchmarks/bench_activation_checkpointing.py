@@ -49,19 +49,30 @@ class HeldAfterForward(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
                 # The storage, not the tensor: selective checkpointing keeps a detached alias of an op's output,
                 # whose storage outlives the tensor object the op returned.
-                st = t.untyped_storage()
-                self.refs.setdefault(id(st), (weakref.ref(st), st.data_ptr()))
+                try:
+                    st = t.untyped_storage()
+                    self.refs.setdefault(id(st), (weakref.ref(st), st.data_ptr()))
+                except RuntimeError:  # a wrapper without data of its own (e.g. an async collective's result)
+                    continue
         return out
 
     def held(self, exclude_ptrs: set[int]) -> int:
         total, seen = 0, set()
         for ref, ptr in self.refs.values():
             st = ref()
-            if st is None or ptr in exclude_ptrs or ptr in seen:
+            if st is None or ptr in exclude_ptrs or ptr in seen or not _valid(st):
                 continue
             seen.add(ptr)
             total += st.nbytes()
         return total
+
+
+def _valid(st) -> bool:
+    try:
+        st.data_ptr()
+        return True
+    except RuntimeError:
+        return False
 
 
 def _param_ptrs(model) -> set[int]:
