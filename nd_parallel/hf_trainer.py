@@ -17,6 +17,14 @@ Trainer habits still have to be turned, on this one Trainer instance:
   ``accelerator.save_state`` / ``load_state`` (sharded DCP, loadable under another layout) in
   ``<checkpoint>/nd_parallel``; ``trainer_state.json``, rotation and the data position stay the Trainer's.
 - **save_model.** ``accelerator.save_model``: the full HF model, or the adapter of a PEFT model.
+- **Evaluation model.** The evaluation loop runs ``_wrap_model(self.model)``, and ``self.model`` stays the model
+  given to the Trainer. Where prepare returned another module (the pipeline's ``PipelineModel``: the stages were
+  split off the HF model, which keeps stale weights) it would evaluate that stale unsplit model; it gets the
+  prepared one (``model_wrapped``), whose ``eval()`` + ``no_grad`` forward runs the forward-only schedule.
+
+TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
+master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,
+where the plugin turns HF's off and applies its own "full" mode.
 """
 
 from __future__ import annotations
@@ -46,19 +54,16 @@ def check_trainer_args(args, accelerator, config) -> None:
     if fights:
         what, fix = fights[0]
         raise ValueError(f"TrainingArguments {what} fights the nd_parallel layout ({config.describe()}); {fix}")
-    if config.pp_size > 1 and _pipeline_eval_missing() and str(getattr(args, "eval_strategy", "no")) not in (
+    if config.pp_size > 1 and config.pp_backend == "deepspeed" and str(getattr(args, "eval_strategy", "no")) not in (
             "no", "IntervalStrategy.NO"):
-        raise NotImplementedError(_PP_EVAL)
+        raise NotImplementedError(_DS_EVAL)
 
 
-_PP_EVAL = ("Trainer.evaluate() under pp_size > 1 needs the forward-only pipeline schedule of the evaluation issue, "
-            "which this version does not have yet; set eval_strategy='no' under PP, or evaluate with pp_size=1")
-
-
-def _pipeline_eval_missing() -> bool:
-    from .pipeline.torch_backend import PipelineModel
-
-    return not getattr(PipelineModel, "supports_eval", False)
+# Evaluation under pp_backend='torch' runs its forward-only schedule (PipelineModel.supports_eval); DeepSpeed's
+# engine would refuse at the first evaluate(), after training has started: refused here, before any collective.
+_DS_EVAL = ("TrainingArguments(eval_strategy=...) with pp_backend='deepspeed': its pipeline engine runs training "
+            "steps only, so Trainer.evaluate() cannot run; use pp_backend='torch' (forward-only schedule: eval loss "
+            "and logits) or eval_strategy='no'")
 
 
 def adopt(trainer, plugin) -> None:
@@ -68,9 +73,8 @@ def adopt(trainer, plugin) -> None:
     trainer.args.average_tokens_across_devices = False
     trainer._mixed_mesh_grads = False  # 5.24: cached answer of _has_mixed_mesh_grads; older versions ignore it
     trainer._has_mixed_mesh_grads = lambda model: False
-    originals = {name: getattr(trainer, name) for name in ("save_model", "evaluate")}
-    trainer._nd_parallel_originals = originals
-    for name, fn in (("save_model", _save_model), ("evaluate", _evaluate),
+    trainer._nd_parallel_wrap_model = trainer._wrap_model
+    for name, fn in (("save_model", _save_model), ("_wrap_model", _wrap_model),
                      ("_save_optimizer_and_scheduler", _save_state), ("_load_optimizer_and_scheduler", _load_state),
                      ("_save_rng_state", _nothing), ("_load_rng_state", _nothing),
                      ("_load_from_checkpoint", _nothing)):
@@ -112,6 +116,13 @@ def _load_state(trainer, checkpoint: str | None) -> None:
         accelerator._dataloaders = loaders
 
 
+def _wrap_model(trainer, model, training: bool = True, dataloader=None):
+    wrapped = trainer.model_wrapped
+    if not training and model is trainer.model and wrapped is not model and wrapped is not None:
+        return wrapped  # see "Evaluation model" in the module docstring
+    return trainer._nd_parallel_wrap_model(model, training=training, dataloader=dataloader)
+
+
 def _save_model(trainer, output_dir: str | None = None, _internal_call: bool = False) -> None:
     output_dir = output_dir or trainer.args.output_dir
     model = trainer.model_wrapped
@@ -123,8 +134,3 @@ def _save_model(trainer, output_dir: str | None = None, _internal_call: bool = F
     if trainer.accelerator.is_main_process and trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(output_dir)
 
-
-def _evaluate(trainer, *args, **kwargs):
-    if trainer.nd_parallel.config.pp_size > 1 and _pipeline_eval_missing():
-        raise NotImplementedError(_PP_EVAL)
-    return trainer._nd_parallel_originals["evaluate"](*args, **kwargs)

@@ -4,6 +4,11 @@ Same data, seed, gradient accumulation (2) and linear LR schedule; the one-proce
 the layout's global batch. Compared: every logged loss and grad norm (rtol 1e-5) and every parameter at the end
 (atol 1e-5). Also: a LoRA model under FSDP2xTP2, a run that checkpoints at step 2 (sharded, through the Trainer's
 save_strategy) and is resumed under another layout with train(resume_from_checkpoint=...), and save_model.
+Evaluation: every parity row evaluates every 2 steps inside train() and twice after it (with logits and
+compute_metrics, then prediction_loss_only=True); eval losses match the one-process Trainer at rtol 1e-5, under
+PP through the forward-only schedule. bf16 / gradient checkpointing: TrainingArguments(bf16=True) under FSDP2
+matches the one-process bf16 Trainer at the derived bf16 tolerance (test_train_modes.py), and
+gradient_checkpointing=True runs nd_parallel's checkpointing (HF's is taken over at prepare) and changes nothing.
 """
 
 import json
@@ -24,16 +29,24 @@ PYPATH = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 ARGS = dict(gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0)
 PER_RANK = 2
+EVAL = dict(n=8, seq_len=24, seed=1)
+EV = {"eval": EVAL}
+BF16_U = 2.0 ** -8  # bf16 unit roundoff: the loss / grad-norm tolerances derived in test_train_modes.py
+GC_TOL = 1e-6
 # launch -> (world, {row: (config, extras)})
 LAUNCHES = {
-    "2r": (2, {"ddp2": ({"dp_replicate_size": 2}, {}), "pp2": ({"pp_size": 2}, {}), "cp2": ({"cp_size": 2}, {}),
+    "2r": (2, {"ddp2": ({"dp_replicate_size": 2}, EV), "pp2": ({"pp_size": 2}, EV), "cp2": ({"cp_size": 2}, EV),
+               "fsdp2": ({"dp_shard_size": 2}, EV),
+               "gc_fsdp2": ({"dp_shard_size": 2}, {**EV, "train": {"gradient_checkpointing": True}}),
+               "bf16_fsdp2": ({"dp_shard_size": 2}, {"train": {"bf16": True}}),
                # same dp size (same global batches), another layout: the pipeline's checkpoint loads under CP
                "save_pp2": ({"pp_size": 2}, {"save": True}),
                "resume_cp2": ({"cp_size": 2}, {"resume": "save_pp2/checkpoint-2"})}),
-    "4r": (4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, {}),
-               "lora_fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, {"lora": True, "save_model": "adapter"})}),
+    "4r": (4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, EV),
+               "lora_fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, {"lora": True, "save_model": "adapter", **EV})}),
 }
-PARITY = [(n, row) for n, (_, rows) in LAUNCHES.items() for row in rows if not row.startswith(("save_", "resume_"))]
+PARITY = [(n, row) for n, (_, rows) in LAUNCHES.items() for row in rows
+          if not row.startswith(("save_", "resume_", "gc_", "bf16_"))]
 
 
 def _dp(config, world):
@@ -41,7 +54,9 @@ def _dp(config, world):
 
 
 def _train_args(config, world, extras, per_rank):
-    args = dict(ARGS, per_device_train_batch_size=per_rank)
+    args = dict(ARGS, per_device_train_batch_size=per_rank, **extras.get("train", {}))
+    if extras.get("eval"):
+        args.update(eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=per_rank)
     if extras.get("save"):
         args.update(save_strategy="steps", save_steps=2)
     return args
@@ -84,15 +99,17 @@ def runs(model_dir, tmp_path_factory):
 def references(model_dir, tmp_path_factory):
     cache = {}
 
-    def get(dp, lora):
-        if (dp, lora) not in cache:
+    def get(dp, lora, bf16=False):
+        if (dp, lora, bf16) not in cache:
             out = tmp_path_factory.mktemp("trainer_ref")
-            spec = _spec(out, model_dir, [["ref", None, dict(ARGS, per_device_train_batch_size=PER_RANK * dp),
-                                           {"lora": lora}]])
-            subprocess.run([sys.executable, WORKER, str(out), str(spec)], check=True, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": PYPATH, "ACCELERATE_USE_CPU": "true"})
-            cache[dp, lora] = torch.load(out / "ref.pt", weights_only=True)
-        return cache[dp, lora]
+            # bf16: nd_parallel's recipe in one process (the callback with a one-process layout), as the lead's
+            # bf16 rows do; Accelerate's own bf16 is autocast, a different per-op recipe.
+            extras = {"lora": lora, "train": {"bf16": True}} if bf16 else {"lora": lora, **EV}
+            run = ["ref", {} if bf16 else None, _train_args({}, 1, extras, PER_RANK * dp), extras]
+            subprocess.run([sys.executable, WORKER, str(out), str(_spec(out, model_dir, [run]))], check=True,
+                           capture_output=True, env={**os.environ, "PYTHONPATH": PYPATH, "ACCELERATE_USE_CPU": "true"})
+            cache[dp, lora, bf16] = torch.load(out / "ref.pt", weights_only=True)
+        return cache[dp, lora, bf16]
 
     return get
 
@@ -117,6 +134,49 @@ def test_trainer_matches_one_process(launch_name, row, runs, references):
     diff = _close(run, ref)
     print(f"trainer {row}: losses {run['losses']} param diff {diff}")
     assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.parametrize("launch_name,row", PARITY, ids=[f"{a}-{r}" for a, r in PARITY])
+def test_trainer_evaluates_like_one_process(launch_name, row, runs, references):
+    world, rows = LAUNCHES[launch_name]
+    config, extras = rows[row]
+    run = torch.load(runs(launch_name) / f"{row}.pt", weights_only=True)
+    ref = references(_dp(config, world), bool(extras.get("lora")))
+    assert len(run["eval_losses"]) == len(ref["eval_losses"]) == 2  # eval_steps=2 inside train()
+    for a, b in zip(run["eval_losses"], ref["eval_losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (run["eval_losses"], ref["eval_losses"])
+    got, want = run["after"], ref["after"]
+    for key in ("full_loss", "lossonly_loss"):
+        assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got, want)
+    assert got["full_n"] == want["full_n"] == EVAL["n"]  # logits gathered over the dp ranks only, no duplicates
+    assert got["full_acc"] == want["full_acc"] and abs(got["full_mean_logit"] - want["full_mean_logit"]) <= 1e-5
+    diffs = [abs(a - b) / abs(b) for a, b in zip(run["eval_losses"] + [got["full_loss"], got["lossonly_loss"]],
+                                                 ref["eval_losses"] + [want["full_loss"], want["lossonly_loss"]])]
+    print(f"trainer eval {row}: losses {run['eval_losses']} {got['full_loss']} max rel diff {max(diffs):.2e}")
+
+
+def test_trainer_gradient_checkpointing_runs_ours_and_changes_nothing(runs):
+    out = runs("2r")
+    plain, gc = (torch.load(out / f"{r}.pt", weights_only=True) for r in ("fsdp2", "gc_fsdp2"))
+    assert plain["checkpointed"] == 0 and gc["checkpointed"] > 0  # TrainingArguments' flag -> our "full" mode
+    for key in ("losses", "norms", "eval_losses"):
+        for a, b in zip(gc[key], plain[key]):
+            assert abs(a - b) <= GC_TOL * abs(b), (key, gc[key], plain[key])
+    diff = max((gc["state"][k] - v).abs().max().item() for k, v in plain["state"].items())
+    assert diff <= GC_TOL, diff
+    print(f"trainer gradient_checkpointing fsdp2: {gc['checkpointed']} layers, param diff {diff}")
+
+
+def test_trainer_bf16_matches_one_process_bf16(runs, references):
+    run = torch.load(runs("2r") / "bf16_fsdp2.pt", weights_only=True)
+    fp32 = torch.load(runs("2r") / "fsdp2.pt", weights_only=True)
+    ref = references(2, False, bf16=True)
+    assert len(run["losses"]) == len(ref["losses"]) == ARGS["max_steps"]
+    rel = {key: max(abs(a - b) / abs(b) for a, b in zip(run[key], ref[key])) for key in ("losses", "norms")}
+    assert rel["losses"] <= BF16_U and rel["norms"] <= 4 * BF16_U, (rel, run, ref)
+    assert run["losses"] != fp32["losses"]  # bf16 compute really ran
+    assert all(v.dtype == torch.float32 for v in run["state"].values())  # fp32 master weights
+    print(f"trainer bf16 fsdp2 vs one-process bf16: max rel loss {rel['losses']:.2e} norm {rel['norms']:.2e}")
 
 
 def test_trainer_resumes_under_another_layout(runs):

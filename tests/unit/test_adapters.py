@@ -64,12 +64,9 @@ def test_trainer_arguments_that_fight_the_layout(field, value, needle):
         check_trainer_args(args, object(), ParallelismConfig(dp_shard_size=2).resolve(2))
 
 
-def test_trainer_evaluation_under_pp_is_refused_until_the_pipeline_can_evaluate():
+def test_trainer_evaluation_under_pp_runs_with_torch_and_is_refused_with_deepspeed():
     args = _Args()
     args.eval_strategy = "steps"
-    from nd_parallel.hf_trainer import _pipeline_eval_missing
-
-    if not _pipeline_eval_missing():
-        pytest.skip("the pipeline evaluates: nothing to refuse")
-    with pytest.raises(NotImplementedError, match="eval_strategy='no'"):
-        check_trainer_args(args, object(), ParallelismConfig(pp_size=2).resolve(2))
+    check_trainer_args(args, object(), ParallelismConfig(pp_size=2).resolve(2))  # forward-only schedule: allowed
+    with pytest.raises(NotImplementedError, match="pp_backend='torch'.*eval_strategy='no'"):
+        check_trainer_args(args, object(), ParallelismConfig(pp_size=2, pp_backend="deepspeed").resolve(2))
