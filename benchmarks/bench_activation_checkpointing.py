@@ -5,7 +5,13 @@ model at a sequence long enough that activations dominate (default hidden 256, 4
 
 - **held bytes**: tensor storage created during one training forward and still alive when it returns (what
   autograd keeps for backward: saved activations, checkpointed layer inputs, the loss), counted by a dispatch
-  mode over storages, leaving out parameters (FSDP's unsharded root). Max over ranks.
+  mode over storages, leaving out parameters (FSDP's unsharded root). Max over ranks. Not for PP, whose
+  forward call runs the backward too.
+- **peak activation bytes**: peak live tensor bytes during forward + backward of the second step minus what was
+  alive before it (parameters, gradients kept allocated by zero_grad(set_to_none=False), optimizer state), with the planner's allocator-level tracker
+  (nd_parallel/planner/measure.py). This one covers PP (1F1B keeps up to pp micro-batches in flight on stage 0).
+  Under "selective" with CP the ring runs with dispatch modes off (context_parallel/hf.py), so its transient
+  buffers are not seen by the tracker; its saved outputs are recomputed anyway.
 - **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank. The modes
   alternate step by step inside one launch, so machine noise hits them alike.
 
@@ -106,32 +112,40 @@ def worker(args) -> None:
         loader = DataLoader(samples, batch_size=per_rank, collate_fn=_collate)
         model, opt, loader = accelerator.prepare(model, opt, loader)
         runs[mode] = (accelerator, model, opt, next(iter(loader)))
-    held, times = {}, {m: [] for m in MODES}
+    from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
+
+    held, peaks, times = {}, {}, {m: [] for m in MODES}
     for step in range(args.warmup + args.steps):
         for mode, (accelerator, model, opt, batch) in runs.items():
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
-            tracker = HeldAfterForward() if step == 0 else None
-            if tracker is not None:
-                with tracker:
-                    out = model(**batch)
-                held[mode] = tracker.held(_param_ptrs(model))
+            if step == min(1, args.warmup + args.steps - 1):  # after one step: gradients exist and count as state
+                peak = LiveTensorBytes(state_tensors(model, opt))
+                before = peak.current
+                with peak:
+                    tracker = HeldAfterForward()
+                    with tracker:
+                        out = model(**batch)
+                    held[mode] = tracker.held(_param_ptrs(model))
+                    accelerator.backward(out.loss)
+                peaks[mode] = peak.peak - before
             else:
                 out = model(**batch)
-            accelerator.backward(out.loss)
+                accelerator.backward(out.loss)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=False)  # gradients stay allocated: the peak below is activations, not grads
             out.loss.item()
             if step >= args.warmup:
                 times[mode].append(time.perf_counter() - start)
-    mine = {"held": held, "time": {str(m): statistics.median(t) for m, t in times.items()}}
+    mine = {"held": held, "peak": peaks, "time": {str(m): statistics.median(t) for m, t in times.items()}}
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
     if not dist.is_initialized() or dist.get_rank() == 0:
         result = {"held": {str(m): max(r["held"][m] for r in every) for m in MODES},
+                  "peak": {str(m): max(r["peak"][m] for r in every) for m in MODES},
                   "time": {str(m): max(r["time"][str(m)] for r in every) for m in MODES}}
         Path(args.result).write_text(json.dumps(result))
 
@@ -174,14 +188,16 @@ def main() -> None:
     per_layer_full = 4 * args.seq * h  # fp32 input of one layer, batch 1 (per micro-batch)
     print(f"\nllama h={h}, {args.layers} layers, seq {args.seq}, fp32; 'full' formula: 4*s*b*h = "
           f"{per_layer_full / 2**20:.2f} MiB per layer input\n")
-    print("| layout | held none (MiB) | selective | full | selective / none | full / none | "
-          "time selective / none | time full / none |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| layout | peak none (MiB) | selective | full | selective / none | full / none | held after fwd: "
+          "selective / none | full / none | time selective / none | time full / none |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, res in rows:
-        h_none, h_sel, h_full = (res["held"][str(m)] / 2**20 for m in MODES)
+        p_none, p_sel, p_full = (res["peak"][str(m)] / 2**20 for m in MODES)
+        h_none, h_sel, h_full = (res["held"][str(m)] for m in MODES)
+        held = f"{h_sel / h_none:.2f} | {h_full / h_none:.2f}" if name != "pp2" else "n/a | n/a"
         t_none, t_sel, t_full = (res["time"][str(m)] for m in MODES)
-        print(f"| {name} | {h_none:.1f} | {h_sel:.1f} | {h_full:.1f} | {h_sel / h_none:.2f} | {h_full / h_none:.2f} | "
-              f"{t_sel / t_none:.2f}x | {t_full / t_none:.2f}x |")
+        print(f"| {name} | {p_none:.1f} | {p_sel:.1f} | {p_full:.1f} | {p_sel / p_none:.2f} | {p_full / p_none:.2f} | "
+              f"{held} | {t_sel / t_none:.2f}x | {t_full / t_none:.2f}x |")
     print("\nraw:", json.dumps(rows))
 
 
