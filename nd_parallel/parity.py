@@ -45,7 +45,8 @@ class RunResult:
     model: torch.nn.Module | None = None  # train_layout's prepared model
 
 
-def _optimizer_and_schedule(model, recipe: Recipe):
+def optimizer_and_schedule(model, recipe: Recipe):
+    """AdamW over every parameter (frozen ones get no state) and a linearly decaying LR."""
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))
     return opt, sched
@@ -55,12 +56,15 @@ def _collate(samples):
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def train_reference(model_dir, samples, dp_size: int, recipe: Recipe) -> RunResult:
-    """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share)."""
+def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None) -> RunResult:
+    """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share).
+
+    ``model``: an already built model (e.g. wrapped with PEFT) instead of ``from_pretrained(model_dir)``.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    opt, sched = _optimizer_and_schedule(model, recipe)
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_dir)
+    opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
     result = RunResult()
     for step, batch in enumerate(loader):
@@ -95,7 +99,7 @@ def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progre
                  model=None) -> RunResult:
     """The unchanged Accelerate loop of ARCHITECTURE.md, under whatever layout ``plugin`` holds."""
     model = model if model is not None else plugin.from_pretrained(model_dir)
-    opt, sched = _optimizer_and_schedule(model, recipe)
+    opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     eval_loader = None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from nd_parallel.parity import Recipe, RunResult, _collate
+from nd_parallel import parity
+from nd_parallel.parity import Recipe, RunResult, optimizer_and_schedule  # noqa: F401 (re-exported)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEED = 1234
@@ -54,30 +55,7 @@ def layout_model(plugin, model_dir, how: str):
     return plugin.from_pretrained(model_dir, peft_config=lora_config())
 
 
-def optimizer_and_schedule(model, recipe: Recipe):
-    # Every parameter goes in, as a user who forgets to filter would do: frozen ones must get no state.
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))
-    return opt, sched
-
-
 def train_reference(model_dir, how, samples, dp_size: int, recipe: Recipe) -> RunResult:
-    from torch.utils.data import DataLoader
-
     model = reference_model(model_dir, how)
-    model.train()
-    opt, sched = optimizer_and_schedule(model, recipe)
-    loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
-    result = RunResult()
-    for step, batch in enumerate(loader):
-        if step == recipe.steps:
-            break
-        loss = model(**batch).loss
-        loss.backward()
-        result.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm).item())
-        result.losses.append(loss.item())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return result
+    model.train()  # LoRA dropout, if any, as in the layouts' training
+    return parity.train_reference(model_dir, samples, dp_size, recipe, model=model)

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
@@ -10,15 +9,7 @@ from nd_parallel.activation_checkpoint import CheckpointedForward, apply_activat
 from nd_parallel.config import ConfigError
 from nd_parallel.precision import check_mixed_precision, policy_for
 
-from .test_plugin_errors import fake_accelerator, tiny_model
-
-
-@pytest.fixture(autouse=True)
-def no_process_group(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert not dist.is_initialized()
-    yield
-    assert not dist.is_initialized(), "a check started communicating"
+from .test_plugin_errors import fake_accelerator, no_process_group, tiny_model  # noqa: F401 (autouse fixture)
 
 
 @pytest.mark.parametrize("value,expected", [
