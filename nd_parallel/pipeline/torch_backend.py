@@ -41,7 +41,7 @@ class PipelineLoss:
 class PipelineModel(nn.Module):
     """This rank's pipeline stages behind the ``model(**batch)`` interface of a HF causal LM."""
 
-    supports_eval = True  # model.eval() / no_grad runs the forward-only schedule (hf_trainer.py checks this)
+    supports_eval = True  # model.eval() / no_grad runs the forward-only schedule
 
     def __init__(self, stages: list[nn.Module], specs: list[StageSpec], num_stages: int, mesh, schedule: str,
                  microbatches: int, device: torch.device, loss: PipelineLoss, config, tied=None):
