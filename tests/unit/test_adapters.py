@@ -70,3 +70,16 @@ def test_trainer_evaluation_under_pp_runs_with_torch_and_is_refused_with_deepspe
     check_trainer_args(args, object(), ParallelismConfig(pp_size=2).resolve(2))  # forward-only schedule: allowed
     with pytest.raises(NotImplementedError, match="pp_backend='torch'.*eval_strategy='no'"):
         check_trainer_args(args, object(), ParallelismConfig(pp_size=2, pp_backend="deepspeed").resolve(2))
+
+
+def test_trl_sft_trainer_refused_where_its_own_loss_is_wrong():
+    """TRL's SFTTrainer divides by this rank's tokens (fused head): refused under dp/cp/pp, allowed under tp only.
+    A stand-in class from a 'trl.' module, so the test needs no TRL install."""
+    from nd_parallel.hf_trainer import check_own_loss
+
+    SFTTrainer = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})
+    Subclass = type("MySFT", (SFTTrainer,), {"__module__": "mine"})
+    with pytest.raises(NotImplementedError, match="dp_shard_size=2: its gradients would be wrong"):
+        check_own_loss(Subclass(), ParallelismConfig(dp_shard_size=2).resolve(2))
+    check_own_loss(SFTTrainer(), ParallelismConfig(tp_size=2).resolve(2))
+    check_own_loss(type("Trainer", (), {})(), ParallelismConfig(dp_shard_size=2).resolve(2))
