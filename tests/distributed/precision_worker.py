@@ -71,6 +71,8 @@ def main(out_dir: str, spec_path: str) -> None:
         samples = make_samples(**run["samples"])
         evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
         model = None
+        if run.get("load_dtype"):  # pure low-precision training: the weights themselves in that dtype
+            model = plugin.from_pretrained(spec["models"][run["model"]], dtype=getattr(torch, run["load_dtype"]))
         if run.get("hf_gradient_checkpointing"):  # the switch users already know, honoured by prepare
             model = plugin.from_pretrained(spec["models"][run["model"]], memory_efficient=False)
             model.gradient_checkpointing_enable()

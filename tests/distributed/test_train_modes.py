@@ -84,8 +84,14 @@ def _run(name, family, world, layout, mp="no", steps=10, eval_at=(), **extra):
     return world, run
 
 
+PURE_BF16_LAYOUTS = ("fsdp2", "tp2", "pp2")  # weights loaded in bf16, mixed_precision "no": keeps working
+
+
 def _plan():
     runs = []
+    runs.append(_run("ref_pure_bf16_llama", "llama", 1, {}, load_dtype="bfloat16"))
+    runs += [_run(f"pure_bf16_{n}_llama", "llama", BF16_LAYOUTS[n][0], BF16_LAYOUTS[n][1], load_dtype="bfloat16")
+             for n in PURE_BF16_LAYOUTS]
     for fam in BF16_FAMILIES:
         runs.append(_run(f"ref_bf16_{fam}", fam, 1, {}, "bf16"))
         runs += [_run(f"bf16_{n}_{fam}", fam, w, lay, "bf16") for n, (w, lay) in BF16_LAYOUTS.items()]
@@ -155,6 +161,16 @@ def test_bf16_matches_one_process_bf16(layout, family, results):
     assert loss_rel <= BF16_LOSS_RTOL, (run["losses"], ref["losses"])
     assert norm_rel <= BF16_NORM_RTOL, (run["norms"], ref["norms"])
     assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.parametrize("layout", PURE_BF16_LAYOUTS)
+def test_model_loaded_in_bf16_still_trains(layout, results):
+    """Pure bf16 (weights and AdamW in bf16, no policy): the same loss as one process doing the same."""
+    ref, run = results("ref_pure_bf16_llama"), results(f"pure_bf16_{layout}_llama")
+    loss_rel = _rel(run["losses"], ref["losses"])
+    print(f"pure bf16 {layout}: loss_rel {loss_rel:.2e}")
+    assert loss_rel <= BF16_LOSS_RTOL and ref["losses"][-1] < ref["losses"][0]
+    assert all(v.dtype == torch.bfloat16 for v in run["state"].values())
 
 
 def test_bf16_computes_in_bf16(results):
