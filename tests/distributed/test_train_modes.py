@@ -61,6 +61,7 @@ AC_LAYOUTS = {
     "cp2_pp2": (4, dict(cp_size=2, pp_size=2)),
 }
 AC_MODES = ("full", "selective", "hf")  # "hf": model.gradient_checkpointing_enable() before prepare
+HF_SWITCH_ROWS = {("llama", "one"), ("llama", "fsdp2"), ("llama", "pp2"), ("llama", "cp2")}  # it maps onto "full"
 EVAL_LAYOUTS = {
     "ddp2": (2, dict(dp_replicate_size=2)), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
     "pp2": (2, dict(pp_size=2)), "cp2": (2, dict(cp_size=2)),
@@ -99,6 +100,8 @@ def _plan():
         for n, (w, lay) in AC_LAYOUTS.items():
             runs.append(_run(f"ac_none_{n}_{fam}", fam, w, lay, steps=5))
             for mode in AC_MODES:
+                if mode == "hf" and (fam, n) not in HF_SWITCH_ROWS:
+                    continue
                 extra = {"hf_gradient_checkpointing": True} if mode == "hf" else {}
                 ac = {} if mode == "hf" else {"activation_checkpointing": mode}
                 runs.append(_run(f"ac_{mode}_{n}_{fam}", fam, w, {**lay, **ac}, steps=5, **extra))
@@ -181,7 +184,8 @@ def test_bf16_computes_in_bf16(results):
     assert all(v.dtype == torch.float32 for v in bf16["state"].values())
 
 
-AC_CASES = [(m, n, f) for f in AC_FAMILIES for n in AC_LAYOUTS for m in AC_MODES]
+AC_CASES = [(m, n, f) for f in AC_FAMILIES for n in AC_LAYOUTS for m in AC_MODES
+            if m != "hf" or (f, n) in HF_SWITCH_ROWS]
 
 
 @pytest.mark.parametrize("mode,layout,family", AC_CASES, ids=[f"{m}-{n}-{f}" for m, n, f in AC_CASES])
