@@ -16,146 +16,14 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from .config import PARALLEL_KEYS, ConfigError, ParallelismConfig
-from .train import DatasetSpec, dataset_specs, suggest
+from .config import ConfigError, ParallelismConfig
+from .train_config import TrainConfig, load_train_config, read_yaml_mapping  # noqa: F401 (public: tests, plan_cli)
 
 _TOKEN = re.compile(r"(ddp|fsdp|hsdp|tp|cp|pp)(\d*)(?:x(\d+))?")
 _SIZE_OF = {"ddp": "dp_replicate_size", "fsdp": "dp_shard_size", "tp": "tp_size", "cp": "cp_size", "pp": "pp_size"}
 TOLERANCE = 1e-5  # the parity matrix's tolerances (ARCHITECTURE.md), quoted next to the demo's numbers
-SCHEDULERS = ("constant", "linear", "cosine")
-
-
-# ---------------------------------------------------------------------------------------------- train YAML
-@dataclass(kw_only=True)
-class TrainConfig:
-    """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
-
-    base_model: str
-    """Local directory of a Hugging Face causal-LM checkpoint. Required."""
-    datasets: list[DatasetSpec]
-    """Text sources; `dataset_path: FILE` is shorthand for one completion source. Required."""
-    sequence_len: int = 512
-    """Tokens per sample; documents are packed into samples of at most this length. Default 512; >= 2."""
-    micro_batch_size: int = 1
-    """Samples per rank per forward pass. Default 1."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step. Default 1."""
-    max_steps: int | None = None
-    """Optimizer steps. Default None = one pass over the data."""
-    learning_rate: float = 1e-4
-    """AdamW peak learning rate. Default 1e-4."""
-    weight_decay: float = 0.0
-    """AdamW weight decay. Default 0."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm to this. Default 1.0."""
-    lr_scheduler: str = "cosine"
-    """"constant", "linear" or "cosine" (default), after `warmup_steps` linear warm-up steps."""
-    warmup_steps: int = 0
-    """Linear warm-up steps. Default 0."""
-    seed: int = 42
-    """Seed set on every rank before the model is loaded. Default 42."""
-    bf16: bool | str = False
-    """bf16 mixed precision (fp32 master weights, bf16 compute, fp32 reductions): true, false (default) or "auto"
-    (bf16 where the GPUs support it, fp32 on CPU ranks, where bf16 matmuls are slower than fp32)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer in backward (activation_checkpointing: full). Default false."""
-    output_dir: str = "outputs/nd-parallel"
-    """Where the final HF checkpoint and train_log.jsonl are written. Default outputs/nd-parallel."""
-    parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
-    """The layout: built from the parallel keys (PARALLEL_KEYS) of the same file."""
-    layout: str | None = None
-    """"auto": the planner's top layout for the ranks launched (plan_cli.auto_train_layout). Default None."""
-    lr_scaling: str | None = None
-    """"linear" or "sqrt": scale learning_rate from base_batch_size to the global batch. Default None = as given."""
-    base_batch_size: int | None = None
-    """The global batch learning_rate was tuned at (with lr_scaling). Default None."""
-
-
-# key -> (type, bound, how a value compares with the bound)
-_CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
-           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (int, 0, ">="), "seed": (int, 0, ">="),
-           "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">"),
-           "base_batch_size": (int, 1, ">=")}
-TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.name != "parallel") | {"dataset_path"}
-
-
-def read_yaml_mapping(path: str | os.PathLike) -> dict:
-    """The top-level mapping of a YAML file, read with safe_load; errors name the file and the fix."""
-    import yaml
-
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read {path}: {err}") from None
-    try:
-        data = yaml.safe_load(text)  # safe_load only: reading a config must never run code
-    except yaml.constructor.ConstructorError as err:
-        mark = err.problem_mark
-        raise ConfigError(f"{path}, line {mark.line + 1}: {err.problem}; only plain YAML values are allowed "
-                          "(numbers, strings, lists, mappings): remove the tag") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', None) or err}") from None
-    if not isinstance(data, dict):
-        got = "empty" if data is None else f"a {type(data).__name__}"
-        raise ConfigError(f"{path} is {got}; expected a mapping of keys such as 'base_model: path/to/model'")
-    return data
-
-
-def _check_value(path, key: str, value: Any) -> Any:
-    kind, bound, op = _CHECKS[key]
-    if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    number = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
-    if not number or value < bound or (op == ">" and value == bound):
-        raise ConfigError(f"{path}: {key}={value!r} must be {'an integer' if kind is int else 'a number'} "
-                          f"{op} {bound}")
-    return kind(value)
-
-
-def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
-    """Parse and check a training YAML (no file of the model or data is opened yet)."""
-    data = read_yaml_mapping(path)
-    for key in data:
-        if key not in TRAIN_KEYS and key not in PARALLEL_KEYS:
-            raise ConfigError(f"unknown key {key!r} in {path}; {suggest(str(key), TRAIN_KEYS | PARALLEL_KEYS)}")
-    if "base_model" not in data:
-        raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
-                          "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
-    if data.get("layout", "auto") != "auto" or data.get("lr_scaling", "linear") not in ("linear", "sqrt"):
-        raise ConfigError(f"{path}: layout={data.get('layout')!r} / lr_scaling={data.get('lr_scaling')!r}; "
-                          "write 'layout: auto' (or leave it out) and 'lr_scaling: linear' or 'sqrt'")
-    if data.get("layout") == "auto" and set(data) & (PARALLEL_KEYS - {"pp_backend", "cp_backend", "tp_plan"}):
-        raise ConfigError(f"{path}: layout: auto chooses the layout, but the file also sets "
-                          f"{', '.join(sorted(set(data) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
-    for key in ("base_model", "output_dir", "lr_scheduler"):
-        if key in data and not isinstance(data[key], str):
-            raise ConfigError(f"{path}: {key}={data[key]!r} is a {type(data[key]).__name__}; write a string")
-    yaml_layout = {k: v for k, v in data.items() if k in PARALLEL_KEYS}
-    # One precedence rule (config.py): YAML overrides the PARALLELISM_CONFIG_* variables.
-    layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
-    train = {k: v for k, v in data.items() if k in TRAIN_KEYS}
-    specs = dataset_specs(path, train.pop("datasets", None), train.pop("dataset_path", None))
-    for key in _CHECKS:
-        if train.get(key) is not None:
-            train[key] = _check_value(path, key, train[key])
-    if train.get("bf16", False) not in (True, False, "auto"):
-        raise ConfigError(f"{path}: bf16={train['bf16']!r}; use true, false or auto")
-    if not isinstance(train.get("gradient_checkpointing", False), bool):
-        raise ConfigError(f"{path}: gradient_checkpointing={train['gradient_checkpointing']!r}; use true or false")
-    if train.get("gradient_checkpointing") and layout.activation_checkpointing is None:
-        layout = dataclasses.replace(layout, activation_checkpointing="full")
-    if train.get("lr_scheduler", "cosine") not in SCHEDULERS:
-        raise ConfigError(f"{path}: lr_scheduler={train['lr_scheduler']!r}; use one of {', '.join(SCHEDULERS)}")
-    return TrainConfig(**train, datasets=specs, parallel=layout)
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -320,60 +188,58 @@ def cmd_demo(args) -> int:
     return 0 if worst <= TOLERANCE else 1
 
 
-def cmd_train(args) -> int:
+def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool):
+    """(resolved layout, number of ranks, device) of a loaded train config; applies layout: auto and lr_scaling."""
     import torch
 
-    from .train import build_samples, checkpoint_numel
-
-    cfg = load_train_config(args.config)
-    cfg.base_model = os.path.abspath(cfg.base_model)
-    cfg.output_dir = os.path.abspath(cfg.output_dir)
-    if not (Path(cfg.base_model) / "config.json").is_file():
-        raise ConfigError(f"{args.config}: base_model {cfg.base_model!r} is not a Hugging Face checkpoint "
-                          "directory (no config.json); create a tiny one with `nd-parallel make-tiny DIR`")
-    if cfg.parallel.pp_size > 1 and cfg.parallel.pp_backend == "deepspeed" and cfg.gradient_accumulation_steps > 1:
-        # DeepSpeed all-reduces a tied weight's whole gradient at the end of every schedule run, so a second
-        # accumulated run would count the first one's tied gradient twice.
-        raise ConfigError(f"{args.config}: gradient_accumulation_steps={cfg.gradient_accumulation_steps} with "
-                          "pp_backend='deepspeed': the pipeline already splits each step into micro-batches; set "
-                          "gradient_accumulation_steps: 1 and raise pp_microbatches, or use pp_backend='torch'")
     if cfg.layout == "auto":  # the planner's top plan for the ranks launched (plan_cli.py)
         from .plan_cli import auto_train_layout
 
-        nproc_auto = int(os.environ["WORLD_SIZE"]) if _inside_launched_rank() else args.nproc
-        use_cuda = not args.cpu and torch.cuda.is_available()
-        cfg.parallel, _ = auto_train_layout(cfg, args.config, nproc_auto, "cuda" if use_cuda else "cpu")
-    config, nproc, device = choose_ranks(cfg.parallel, args.nproc, args.cpu, cpu_fallback=False)
+        nproc_auto = int(os.environ["WORLD_SIZE"]) if _inside_launched_rank() else nproc
+        use_cuda = not cpu and torch.cuda.is_available()
+        cfg.parallel, _ = auto_train_layout(cfg, path, nproc_auto, "cuda" if use_cuda else "cpu")
+    config, nproc, device = choose_ranks(cfg.parallel, nproc, cpu, cpu_fallback=False)
     if cfg.lr_scaling:
         from .plan_cli import scaled_learning_rate
 
         cfg.learning_rate = scaled_learning_rate(
-            cfg, args.config, cfg.micro_batch_size * cfg.gradient_accumulation_steps * config.dp_size)
-    samples, how = build_samples(cfg.base_model, cfg.datasets, cfg.sequence_len)
-    per_micro = cfg.micro_batch_size * config.dp_size
-    if len(samples) < per_micro:
-        raise ConfigError(f"{args.config}: {len(samples)} samples, but one micro-batch over {config.dp_size} "
-                          f"data-parallel ranks needs micro_batch_size x {config.dp_size} = {per_micro}")
-    steps = cfg.max_steps or max(1, len(samples) // (per_micro * cfg.gradient_accumulation_steps))
-    if not _inside_launched_rank() or int(os.environ.get("RANK", "0")) == 0:
-        print(f"nd-parallel train: {len(samples)} samples of {cfg.sequence_len} tokens ({how}); {steps} steps of "
-              f"{cfg.gradient_accumulation_steps} x {per_micro} samples on {config.describe()}")
-    train = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("parallel", "datasets")}
+            cfg, path, cfg.micro_batch_size * cfg.gradient_accumulation_steps * config.dp_size)
+    return config, nproc, device
+
+
+def _main_rank() -> bool:
+    return not _inside_launched_rank() or int(os.environ.get("RANK", "0")) == 0
+
+
+def cmd_train(args) -> int:
+    from .train import checkpoint_numel
+    from .train_job import build_job
+
+    cfg = load_train_config(args.config)
+    config, nproc, device = resolve_train_layout(cfg, args.config, args.nproc, args.cpu)
+    if cfg.unused and _main_rank():
+        print(f"nd-parallel train: accepted, not used: {', '.join(cfg.unused)}")
     with tempfile.TemporaryDirectory(prefix="nd-parallel-train-") as tmp:
         tmp = Path(tmp)
-        if device != "launched":
-            torch.save(samples, tmp / "samples.pt")
-        job = {"kind": "train", "name": Path(args.config).stem, "layout": config.to_dict(), "steps": steps,
-               "samples": samples if device == "launched" else str(tmp / "samples.pt"),
-               "train": {**train, "max_steps": steps}, "quiet": not args.verbose}
+        # Under an outer launcher every rank prepares the same data (deterministic); the cache then serves it.
+        job, prepared = build_job(args.config, cfg, config, str(tmp), quiet=not args.verbose)
+        if _main_rank():
+            print(f"nd-parallel train: {prepared.train_rows} training / {prepared.eval_rows} evaluation rows of <= "
+                  f"{cfg.sequence_len} tokens ({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "
+                  f"{config.describe()}")
         start = time.perf_counter()
         results = _run_job(job, nproc, device, tmp, args.timeout)
     if results is None:
         return 0
+    saved = sorted(p.name for p in Path(cfg.output_dir).iterdir())
+    unsharded = 3 * 4 * checkpoint_numel(cfg.base_model) if cfg.adapter is None else 0
     rows = [("layout", f"{results['layout']}, {nproc} {results['ranks'][0]['device'].split(':')[0].upper()} ranks"),
-            (f"loss per step ({steps})", _loss_lines(results["losses"])),
-            ("params + AdamW per rank", _memory_lines(results["ranks"], 3 * 4 * checkpoint_numel(cfg.base_model))),
-            ("saved", f"{cfg.output_dir} (config.json, model.safetensors, train_log.jsonl)"),
+            ("data", prepared.sources),
+            (f"loss per step ({len(results['losses'])})", _loss_lines(results["losses"])),
+            *([("eval loss", " ".join(f"{x:.4f}" for x in results["eval_losses"]))] if results["eval_losses"] else []),
+            (f"{'adapter' if cfg.adapter else 'params'} + AdamW per rank", _memory_lines(results["ranks"], unsharded)),
+            ("saved", f"{cfg.output_dir}: {', '.join(saved)}"),
+            *([("not used", ", ".join(cfg.unused))] if cfg.unused else []),
             ("time", f"{time.perf_counter() - start:.1f} s")]
     print(_table(f"nd-parallel train: {args.config}", rows))
     return 0
@@ -382,14 +248,16 @@ def cmd_train(args) -> int:
 def cmd_make_tiny(args) -> int:
     import json
 
+    from .tiny_tokenizer import train_tiny_tokenizer
     from .toy import make_text, save_tiny_model
 
     root = Path(args.directory)
     model = save_tiny_model(args.family, root / "model", seed=args.seed)
     lines = make_text(args.lines, seed=args.seed)
+    train_tiny_tokenizer(lines).save_pretrained(model)  # a BPE under the tiny vocabulary, with a chat template
     (root / "data.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines), encoding="utf-8")
-    print(f"wrote a tiny {args.family} checkpoint to {model} (no tokenizer: `train` uses byte-level ids)\n"
+    print(f"wrote a tiny {args.family} checkpoint with a tiny BPE tokenizer (ChatML template) to {model}\n"
           f"and {args.lines} lines of text to {root / 'data.txt'} and {root / 'data.jsonl'}")
     return 0
 
@@ -424,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=cmd_demo)
-    train = sub.add_parser("train", help="train from an Axolotl-style YAML file")
-    train.add_argument("config", help="YAML with base_model, datasets, ... and the parallel sizes")
+    train = sub.add_parser("train", help="train from an Axolotl YAML file (transformers.Trainer + nd_parallel)")
+    train.add_argument("config", help="Axolotl YAML: base_model, datasets, ... and the parallel sizes")
     train.set_defaults(func=cmd_train)
     for cmd in (demo, train):
         cmd.add_argument("--nproc", type=int, help="number of ranks (default: what the layout needs)")

@@ -1,0 +1,119 @@
+"""What `nd-parallel train` does with each Axolotl key it does not implement itself (train_config.py does the rest).
+
+- ``LOGGING``: loggers, hubs and UI keys. Accepted whatever their value, and listed once as unused.
+- ``REFUSED``: keys that would change training; set to anything but their default, the run stops with one
+  message that lists every such key with its alternative.
+- Any other key of Axolotl's schema (axolotl_schema.py): left at its default it is listed as unused, set it is
+  refused (run the YAML with Axolotl and the plugin). A key Axolotl does not know either is a typo.
+- ``fsdp_config``: mapped where it means what nd_parallel's FSDP2 does (``map_fsdp``), refused otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_")
+LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_metrics", "use_swanlab", "strict",
+           "push_dataset_to_hub", "hf_use_auth_token", "debug", "is_preprocess", "eval_table_size",
+           "eval_max_new_tokens", "include_tokens_per_second", "include_tkps", "profiler_steps", "logging_dir",
+           "dataset_processes", "dataset_num_proc", "dataloader_num_workers", "dataloader_pin_memory",
+           "dataloader_prefetch_factor", "dataloader_drop_last", "local_rank", "sample_packing_eff_est",
+           "sample_packing_bin_size", "sample_packing_group_size", "tokenizer_save_jinja_files", "save_safetensors",
+           "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
+           "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "eval_causal_lm_metrics", "gc_steps",
+           "dataset_keep_in_memory", "shuffle_before_merging_datasets", "include_tokens_per_second"}
+
+_PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
+REFUSED = {
+    "load_in_4bit": "quantized base weights are not implemented: drop it and train LoRA on the fp32/bf16 model "
+                    "(adapter: lora, bf16: true)",
+    "load_in_8bit": "quantized base weights are not implemented: drop it and train LoRA on the fp32/bf16 model "
+                    "(adapter: lora, bf16: true)",
+    "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
+    "deepspeed": "drop deepspeed: nd_parallel shards with dp_shard_size (ZeRO-3 equivalent); for DeepSpeed's "
+                 "pipeline engine set pp_backend: deepspeed",
+    "flash_attention": "drop it: SDPA is used (on CPU flash attention does not exist), and under CP nd_parallel's "
+                       "ring attention takes its place",
+    "xformers_attention": "drop it: SDPA is used",
+    "s2_attention": "drop it: SDPA is used",
+    "flex_attention": "drop it: SDPA is used",
+    "torch_compile": "drop it: torch.compile is not applied by nd-parallel train",
+    "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
+    "test_datasets": "use val_set_size to hold out part of datasets:",
+    "early_stopping_patience": "drop it (no early stopping); set max_steps or num_epochs",
+    "group_by_length": "drop it (samples are shuffled, not grouped by length)",
+    "neftune_noise_alpha": "drop it (no NEFTune noise)",
+    "noisy_embedding_alpha": "drop it (no NEFTune noise)",
+    "unfrozen_parameters": "drop it: use adapter: lora with lora_modules_to_save, or full fine-tuning",
+    "peft_use_dora": "DoRA is not implemented: use plain LoRA (adapter: lora)",
+    "peft_use_rslora": "rsLoRA is not implemented: use plain LoRA (adapter: lora)",
+    "loraplus_lr_ratio": "LoRA+ is not implemented: drop it",
+    "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
+    "merge_lora": "merge after training with peft's merge_and_unload()",
+    "relora": "ReLoRA is not implemented: use adapter: lora",
+    "lisa_n_layers": "LISA is not implemented: use adapter: lora",
+    "max_packed_sequence_len": "use sample_packing: true with sequence_len",
+    "curriculum_sampling": "drop it (samples are shuffled)",
+    "auto_resume_from_checkpoints": "set resume_from_checkpoint: PATH (a checkpoint-N folder of output_dir)",
+    "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
+}
+
+
+def is_logging(key: str) -> bool:
+    return key in LOGGING or key.startswith(LOGGING_PREFIXES)
+
+
+def is_default(key: str, value: Any, defaults: dict) -> bool:
+    """True when `value` changes nothing: null, false, empty, or Axolotl's own default for `key`."""
+    return value in (None, False, "", [], {}) or (key in defaults and value == defaults[key])
+
+
+# ----------------------------------------------------------------------------------------------- fsdp_config
+# fsdp_config key (without Axolotl's older "fsdp_" prefix) -> {value: None (same as ours) | str (refusal)}.
+# A key listed with "*" accepts any value: it tunes FSDP1 internals that FSDP2 does not have, without numeric effect.
+_ANY = "*"
+FSDP_KEYS = {
+    "reshard_after_forward": {True: None, False: "nd_parallel reshards each decoder layer after its forward "
+                                                 "(FSDP2's default, least memory); drop reshard_after_forward: false"},
+    "offload_params": {False: None, True: "CPU offload is not implemented; shard over more ranks (dp_shard_size) "
+                                          "or split layers with pipeline_parallel_size"},
+    "cpu_offload_pin_memory": {_ANY: None},
+    "state_dict_type": {"FULL_STATE_DICT": None, "SHARDED_STATE_DICT": None},  # checkpoints sharded, final full
+    "final_state_dict_type": {"FULL_STATE_DICT": None},
+    "auto_wrap_policy": {"TRANSFORMER_BASED_WRAP": None,
+                         "SIZE_BASED_WRAP": "nd_parallel shards per decoder layer; use TRANSFORMER_BASED_WRAP"},
+    "transformer_layer_cls_to_wrap": {_ANY: None},  # the model's own decoder-layer class is always the unit
+    "sharding_strategy": {"FULL_SHARD": None,
+                          "HYBRID_SHARD": "set dp_replicate_size and dp_shard_size instead (HSDP)",
+                          "SHARD_GRAD_OP": "ZeRO-2 is not implemented; use FULL_SHARD (dp_shard_size)",
+                          "NO_SHARD": "use dp_replicate_size (DDP) instead"},
+    "cpu_ram_efficient_loading": {_ANY: None}, "sync_module_states": {_ANY: None}, "use_orig_params": {_ANY: None},
+    "limit_all_gathers": {_ANY: None}, "backward_prefetch": {_ANY: None}, "forward_prefetch": {_ANY: None},
+    "version": {2: None, "2": None, 1: "nd_parallel uses FSDP2 (fully_shard); set fsdp_version: 2"},
+    "activation_checkpointing": {False: None, True: None},  # mapped to gradient_checkpointing by the caller
+}
+
+
+def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]]]:
+    """(settings to apply, [(key=value, why refused)]) for Axolotl's fsdp_version / fsdp_config."""
+    refused, settings = [], {}
+    if version not in (None, 2, "2"):
+        refused.append((f"fsdp_version={version!r}", "nd_parallel uses FSDP2 (fully_shard); set fsdp_version: 2"))
+    if fsdp_config is None:
+        return settings, refused
+    if not isinstance(fsdp_config, dict):
+        return settings, [(f"fsdp_config={fsdp_config!r}", "write a mapping, e.g. {reshard_after_forward: true}")]
+    for raw, value in fsdp_config.items():
+        key = raw.removeprefix("fsdp_")
+        rules = FSDP_KEYS.get(key)
+        if rules is None:
+            refused.append((f"fsdp_config.{raw}", f"not an FSDP2 setting nd_parallel maps; drop it (known: "
+                            f"{', '.join(sorted(FSDP_KEYS))})"))
+            continue
+        why = rules.get(_ANY, rules.get(value, f"use one of {', '.join(map(repr, rules))}"))
+        if why is not None:
+            refused.append((f"fsdp_config.{raw}={value!r}", why))
+        elif key == "activation_checkpointing" and value:
+            settings["gradient_checkpointing"] = True
+    return settings, refused
