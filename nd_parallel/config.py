@@ -105,6 +105,19 @@ class ParallelismConfig:
     or "selective" (keep matmul/attention outputs, recompute norms, activations, elementwise ops)."""
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th decoder layer of each model part. Default 1 (all); >= 1."""
+    hang_timeout: float | None = None
+    """Seconds a rank may wait in one collective before the run is declared hung: every rank then prints which ranks
+    are missing and where it stands, and exits non-zero (nd_parallel/fault/watchdog.py). Default None = the backend's
+    own timeout (600 on CUDA, 1800 on CPU); 0 = off; otherwise >= 5. Set it above the longest legitimate wait."""
+    save_on_signal: bool = False
+    """Catch SIGTERM/SIGINT so the loop can write a preemption checkpoint after the current optimizer step
+    (``plugin.preemption_requested()``). Default False (the signals end the process at once)."""
+    skip_nonfinite_steps: int = 0
+    """Optimizer steps with a NaN/Inf loss or gradient norm that are skipped (not applied) before the run stops.
+    Default 0 = stop at the first, naming the step, rank and parameter; >= 0."""
+    async_save: bool = False
+    """save_state returns once the state is copied; torch.distributed.checkpoint writes it in the background and
+    the checkpoint is published when every rank's files are written. Default False."""
 
     def __post_init__(self) -> None:
         for name in SIZE_FIELDS:
@@ -130,9 +143,27 @@ class ParallelismConfig:
                               "attention outputs, recompute the rest)")
         self.activation_checkpointing_every = _check_count("activation_checkpointing_every",
                                                            self.activation_checkpointing_every)
+        self._check_fault_options()
         self._check_pipeline()
         self._check_deepspeed()
         self.pp_balance = _check_balance(self.pp_balance, self.pp_size, self.pp_virtual_stages)
+
+    def _check_fault_options(self) -> None:
+        timeout = self.hang_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+            raise ConfigTypeError(f"hang_timeout={timeout!r} is {_kind(timeout)}; give seconds such as "
+                                  "hang_timeout=600, 0 to turn hang detection off, or None for the backend default")
+        if timeout is not None and not (timeout == 0 or 5 <= timeout < math.inf):
+            raise ConfigError(f"hang_timeout={timeout} must be 0 (off) or at least 5 seconds (the heartbeat needs a "
+                              "few beats to tell a stopped rank from a slow one); for example hang_timeout=600")
+        for name in ("save_on_signal", "async_save"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigTypeError(f"{name}={getattr(self, name)!r} is {_kind(getattr(self, name))}; write True "
+                                      "or False")
+        skip = self.skip_nonfinite_steps
+        if not _is_int(skip) or skip < 0:
+            raise ConfigError(f"skip_nonfinite_steps={skip!r} must be a whole number >= 0: 0 stops at the first "
+                              "non-finite loss or gradient norm, N skips up to N such steps")
 
     def _check_pipeline(self) -> None:
         schedule, stages = self.pp_schedule, self.pp_virtual_stages

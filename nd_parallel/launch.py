@@ -1,12 +1,17 @@
-"""Start N local ranks of a Python script with torchrun, with a wall-clock limit that kills them all."""
+"""Start N local ranks of a Python script with torchrun, with a wall-clock limit and signal handling that end them all."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+
+from .fault.proctree import alive, descendants, kill_all
 
 
 def free_port() -> int:
@@ -21,20 +26,65 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
-    """End torchrun and every rank. Each rank leads its own session, so killing torchrun's process group misses
-    them; torchrun's agent, sent SIGTERM, stops its ranks itself. SIGKILL if it does not in time."""
-    os.killpg(proc.pid, signal.SIGTERM)
+def _stop(proc: subprocess.Popen, grace: float = 25) -> None:
+    """End torchrun, every rank and every dataloader worker, within ``grace`` seconds plus a moment.
+
+    Torchrun's agent, sent SIGTERM, forwards it to its ranks (each leads its own session, so signalling torchrun's
+    process group misses them) and waits for them; ranks with ``save_on_signal`` use that time for a preemption
+    checkpoint. Whatever is left when torchrun is gone or ``grace`` runs out is SIGKILLed: every process seen in the
+    tree since the signal, including dataloader workers whose rank already died (they are re-parented to init and
+    no longer found from torchrun).
+    """
+    seen = descendants(proc.pid)
     try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= descendants(proc.pid)
+        time.sleep(0.2)
+    seen |= descendants(proc.pid)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    left = {pid for pid in seen if alive(pid)}
+    for pid in list(left):
+        left |= descendants(pid)
+    kill_all(left)
+    proc.wait()
+
+
+class _Terminated(SystemExit):
+    """SIGTERM to the launching process: unwinds through launch(), which stops the ranks, then exits 128+15."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """Make SIGTERM raise in the main thread, so the ranks are stopped instead of left running as orphans (the
+    default action ends this process at once). Elsewhere (a thread) the caller's handling is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 600, env: dict | None = None,
-           capture: bool = False) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nprocs`` local ranks (gloo on CPU: one thread per rank); raise on failure or timeout."""
+           capture: bool = False, stop_grace: float = 25) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nprocs`` local ranks (gloo on CPU: one thread per rank); raise on failure or timeout.
+
+    SIGTERM or SIGINT (Ctrl-C) to this process, or the timeout, stops every rank and dataloader worker within
+    ``stop_grace`` seconds (``_stop``) before the exception propagates."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -42,16 +92,17 @@ def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 6
         full_env["ACCELERATE_USE_CPU"] = "true"  # Accelerator() on a CPU-only machine then uses gloo ranks
     full_env.update(env or {})
     kwargs = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}
-    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, **kwargs)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop(proc)
-        out, _ = proc.communicate()
-        raise TimeoutError(f"{nprocs} ranks of {script} did not finish within {timeout:.0f}s\n{out or ''}")
-    except BaseException:  # e.g. Ctrl-C: the ranks run in their own session, so the terminal's SIGINT misses them
-        _stop(proc)
-        raise
+    with _sigterm_unwinds():
+        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, **kwargs)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc, stop_grace)
+            out, _ = proc.communicate()
+            raise TimeoutError(f"{nprocs} ranks of {script} did not finish within {timeout:.0f}s\n{out or ''}")
+        except BaseException:  # Ctrl-C or SIGTERM: the ranks run in their own session, so those signals miss them
+            _stop(proc, stop_grace)
+            raise
     if proc.returncode != 0:
         raise RuntimeError(f"{nprocs} ranks of {script} failed with exit code {proc.returncode}\n{out or ''}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)

@@ -24,6 +24,7 @@ from .context_parallel.hf import SequenceSharding, use_cp_attention
 from .context_parallel.hf import check_model as check_cp_model
 from .context_parallel.hf import runtime_for as cp_runtime
 from .data import check_batch_size, shard_dataloader
+from .fault.runtime import FaultTolerance
 from .grad_norm import clip_grad_norm_
 from .loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards, reads_whole_model
 from .loss import GlobalTokenLoss
@@ -141,6 +142,7 @@ class NDParallelPlugin:
             self._originals[name] = getattr(accelerator, name, None)
             setattr(accelerator, name, getattr(self, name))
         accelerator.nd_parallel = self
+        self.fault = FaultTolerance(self)  # watchdog, non-finite guard, signals, exit order (fault/)
         logger.info("attached: %s", c.describe())
         return self
 
@@ -150,6 +152,7 @@ class NDParallelPlugin:
         if self._mesh is None:
             self._require_attached()
             self._mesh = build_mesh(self.config, self.accelerator.device.type)
+            self.fault.on_mesh(self._mesh)
         return self._mesh
 
     def _require_attached(self) -> None:
@@ -167,6 +170,7 @@ class NDParallelPlugin:
                 check_batch_size(obj, self.config, self.accelerator.split_batches)
             elif isinstance(obj, torch.optim.Optimizer):
                 _check_fresh_optimizer(obj)
+        self.fault.check_agreement(objects)  # same config, model, data, versions on every rank (fault/agreement.py)
         prepared = {id(o): self.prepare_model(o) for o in objects if isinstance(o, nn.Module)}
         for obj in objects:
             if id(obj) in prepared:
@@ -262,6 +266,7 @@ class NDParallelPlugin:
                 params.extend(self._param_map.get(id(p), [p]) if self._param_map else [p])
             group["params"] = params
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+        self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused
         self.accelerator._optimizers.append(wrapped)
         return wrapped
 
@@ -290,6 +295,7 @@ class NDParallelPlugin:
     # ------------------------------------------------------------ training ops
     def backward(self, loss, **kwargs):
         """Accelerate's backward, except where the pipeline schedule already ran it inside forward."""
+        self.fault.observe_loss(loss)
         if getattr(loss, "_nd_parallel_backward_done", False):
             return None
         return self._originals["backward"](loss, **kwargs)
@@ -298,11 +304,15 @@ class NDParallelPlugin:
         """The true global gradient norm over every dimension, identical on every rank."""
         parameters = list(parameters)
         if self.config.pp_size == 1 or self._mesh is None:
-            return clip_grad_norm_(parameters, max_norm, norm_type)
-        # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
-        skip = {id(m.tied.duplicate) for m in self._models if getattr(m, "tied", None) and m.tied.duplicate is not None}
-        return clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
-                               exclude_from_norm=skip)
+            norm = clip_grad_norm_(parameters, max_norm, norm_type)
+        else:
+            # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
+            skip = {id(m.tied.duplicate) for m in self._models
+                    if getattr(m, "tied", None) and m.tied.duplicate is not None}
+            norm = clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
+                                   exclude_from_norm=skip)
+        self.fault.observe_norm(norm)  # NaN/Inf: stop naming step, rank, parameter, or skip (fault/nonfinite.py)
+        return norm
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""
@@ -375,7 +385,15 @@ class NDParallelPlugin:
         """accelerator.save_state: an atomic, sharded DCP checkpoint under HF names (checkpoint/state.py)."""
         from .checkpoint import save_state
 
+        self.fault.before_save()  # never a checkpoint holding NaN/Inf
         return save_state(self, output_dir, **kwargs)
+
+    def preemption_requested(self) -> bool:
+        """With ``save_on_signal``: True on every rank, after the same optimizer step, once any rank got SIGTERM or
+        SIGINT. Ask after ``optimizer.step()``; then ``accelerator.save_state(...)`` and leave the loop. One small
+        all_reduce per call."""
+        self._require_attached()
+        return self.fault.preemption_requested()
 
     def load_state(self, input_dir=None, **kwargs):
         """accelerator.load_state: checked first, then loaded under this layout, whatever layout saved it."""

@@ -125,6 +125,9 @@ def save_state(plugin, output_dir=None, **unused) -> Path:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
+    from .asynchronous import wait_pending
+
+    wait_pending()  # an async save in flight finishes (and publishes) before anything else touches the disk
     accelerator = plugin.accelerator
     model = _the_model(accelerator)
     final = _target(accelerator, output_dir)
@@ -138,28 +141,50 @@ def save_state(plugin, output_dir=None, **unused) -> Path:
     _barrier(accelerator)
     named = named_state(model, _optimizers(accelerator) or None)
     state = {**named.flat, **_small_state(accelerator)}
-    with quiet_single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / DCP_DIR)), no_dist=not _distributed(accelerator))
     tensors, meta = _rng_tensors(accelerator)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(_rng_file(tmp, accelerator.process_index)),
               metadata=meta)
     loaders = [dl.describe(loader, _dp_size(plugin)) for loader in accelerator._dataloaders]
+    finalize = _publisher(plugin, model, tmp, final, loaders) if main else None
+    writer, no_dist = dcp.FileSystemWriter(str(tmp / DCP_DIR)), not _distributed(accelerator)
+    if plugin.config.async_save:  # published in the background once every rank's files are written
+        from .asynchronous import start
+
+        _barrier(accelerator)  # every rank's RNG file is written before the marker can be
+        start(state, writer, no_dist, finalize)
+        accelerator.project_configuration.iteration += 1
+        logger.info("saving checkpoint %s in the background", final)
+        return final
+    with quiet_single_process():
+        dcp.save(state, storage_writer=writer, no_dist=no_dist)
     _barrier(accelerator)  # every rank's files are written
     if main:
-        from .export import write_model_config
-
-        _, hf = hf_modules(model)
-        write_model_config(hf, tmp)
-        write_json(tmp / MARKER, _marker(plugin, hf, loaders))
-        publish(tmp, final)
-        project = accelerator.project_configuration
-        if project.automatic_checkpoint_naming:
-            for old in apply_total_limit(final.parent, project.total_limit):
-                logger.info("removed %s (total_limit=%d)", old, project.total_limit)
+        finalize()
     _barrier(accelerator)  # nobody returns before the checkpoint is visible under its final name
     accelerator.project_configuration.iteration += 1
     logger.info("saved checkpoint %s", final)
     return final
+
+
+def _publisher(plugin, model, tmp: Path, final: Path, loaders: list[dict]):
+    """What the main process does once every rank's files are written: config, marker, rename, retention. The
+    marker's values are taken now, at the step being saved, not when an async save finishes."""
+    from .export import write_model_config
+
+    accelerator = plugin.accelerator
+    _, hf = hf_modules(model)
+    marker = _marker(plugin, hf, loaders)
+    project = accelerator.project_configuration
+    limit = project.total_limit if project.automatic_checkpoint_naming else None
+
+    def finalize() -> None:
+        write_model_config(hf, tmp)
+        write_json(tmp / MARKER, marker)
+        publish(tmp, final)
+        for old in apply_total_limit(final.parent, limit):
+            logger.info("removed %s (total_limit=%d)", old, limit)
+
+    return finalize
 
 
 def _optimizer_step(accelerator) -> int | None:
@@ -262,6 +287,9 @@ def load_state(plugin, input_dir=None, **unused) -> dict:
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
+    from .asynchronous import wait_pending
+
+    wait_pending()  # the latest checkpoint may still be in flight
     accelerator = plugin.accelerator
     path = _source(accelerator, input_dir)
     marker = read_marker(path)

@@ -1,0 +1,144 @@
+"""What the plugin calls at each point of a run; the pieces live beside it (watchdog, agreement, nonfinite, signals).
+
+One ``FaultTolerance`` per plugin. It owns the watchdog thread, the non-finite guard, the preemption flag and the
+order in which a process ends: the watchdog stops, a pending async checkpoint finishes, then the process groups are
+destroyed (atexit). Leaving the process groups to interpreter teardown is what let a rank abort with "terminate
+called without an active exception": their communication threads were still joinable when C++ static destructors
+ran.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import agreement
+from .nonfinite import NonFiniteGuard, check_state_finite
+from .signals import PreemptionFlag
+from .watchdog import Watchdog, resolve_timeout, set_backstop_timeouts
+from .where import group_names
+
+logger = logging.getLogger("nd_parallel")
+
+
+class FaultTolerance:
+    def __init__(self, plugin):
+        self.plugin = plugin
+        accelerator = plugin.accelerator
+        self.device = accelerator.device
+        self.distributed = dist.is_initialized() and accelerator.num_processes > 1
+        config = plugin.config
+        self.hang_timeout = resolve_timeout(config.hang_timeout, self.device.type)
+        self.step = 0  # optimizer steps taken (skipped ones included), the step every report names
+        self.watchdog: Watchdog | None = None
+        self.guard = NonFiniteGuard(config.skip_nonfinite_steps, self._named_grads, self.distributed)
+        self._norm_checked = False
+        for earlier in _live:  # a process attaches several plugins (one per layout in the parity worker): one watchdog
+            earlier.stop_watchdog()
+        self.preemption = PreemptionFlag().install() if config.save_on_signal else None
+        if not _live:
+            atexit.register(_close_all)
+        _live[:] = [self]  # only the latest: holding every plugin would keep their models alive
+        if self.distributed and self.hang_timeout > 0:
+            self.watchdog = Watchdog(self.hang_timeout, {dist.group.WORLD.group_name: "world"}).start()
+
+    # ----------------------------------------------------------------------------------------- prepare
+    def on_mesh(self, mesh) -> None:
+        """The mesh exists: name its groups in hang reports, and give them the backstop timeout."""
+        if self.watchdog is None:
+            return
+        self.watchdog.names = group_names(mesh)
+        groups = {mesh[d].get_group() for d in (*mesh.world.mesh_dim_names, "dp", "dp_cp", "dp_shard_cp")}
+        set_backstop_timeouts([dist.group.WORLD, *groups], self.hang_timeout, self.device.type)
+
+    def check_agreement(self, objects) -> None:
+        if self.distributed:
+            agreement.check(agreement.fields_of(self.plugin.config, objects))
+
+    def on_optimizer(self, optimizer) -> None:
+        """Count steps, check loss and norm before the step, and drop a step the guard marked as skipped."""
+        original = optimizer.step
+
+        def step(*args, **kwargs):
+            if not optimizer.gradient_state.sync_gradients:  # accumulating: Accelerate does not step either
+                return original(*args, **kwargs)
+            if not self._norm_checked:  # no clip_grad_norm_ this step: the loss alone
+                self.guard.check(self.step, None)
+            self._norm_checked = False
+            self.step += 1
+            if self.watchdog is not None:
+                self.watchdog.step = self.step
+            if self.guard.skip_next_step:
+                self.guard.skip_next_step = False
+                optimizer._is_overflow = True  # AcceleratedScheduler then skips its step too
+                return None
+            optimizer._is_overflow = False
+            return original(*args, **kwargs)
+
+        optimizer.step = step
+
+    # -------------------------------------------------------------------------------------------- step
+    def observe_loss(self, loss) -> None:
+        if isinstance(loss, torch.Tensor):
+            self.guard.observe_loss(loss)
+
+    def observe_norm(self, norm) -> None:
+        self.guard.check(self.step, norm)
+        self._norm_checked = True
+
+    def preemption_requested(self) -> bool:
+        """After an optimizer step: did any rank get SIGTERM/SIGINT (save_on_signal)? The same answer everywhere."""
+        if self.preemption is None:
+            return False
+        return self.preemption.agreed(self.device, self.distributed)
+
+    def before_save(self) -> None:
+        """No checkpoint with a NaN/Inf: check this rank's model and optimizer state (one collective)."""
+        named = []
+        for model in self.plugin._models:
+            named += [(n, p) for n, p in model.named_parameters()]
+        for i, opt in enumerate(self.plugin.accelerator._optimizers):
+            inner = getattr(opt, "optimizer", opt)
+            names = {id(p): n for model in self.plugin._models for n, p in model.named_parameters()}
+            for p, state in inner.state.items():
+                named += [(f"optimizer {i} {k} of {names.get(id(p), '?')}", v) for k, v in state.items()
+                          if isinstance(v, torch.Tensor) and v.ndim > 0]
+        check_state_finite(named, self.distributed, self.step)
+
+    def _named_grads(self):
+        return [(n, p.grad) for model in self.plugin._models for n, p in model.named_parameters() if p.grad is not None]
+
+    # -------------------------------------------------------------------------------------------- exit
+    def stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.preemption is not None:
+            self.preemption.uninstall()
+            self.preemption = None
+
+
+# The latest FaultTolerance of this process, so that exit finds it: one exit per process, whatever the number of
+# plugins attached (an earlier one's watchdog is stopped when the next attaches).
+_live: list[FaultTolerance] = []
+
+
+def _close_all() -> None:
+    """Orderly end of the process (atexit): watchdogs, the async save in flight, then the process groups."""
+    from ..checkpoint.asynchronous import reset_group, wait_pending
+
+    for fault in _live:
+        fault.stop_watchdog()
+    try:
+        wait_pending()
+    except Exception as err:  # already reported where it was raised; exit must go on to tear down in order
+        logger.error("the checkpoint written in the background failed: %s", err)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # already torn down by someone else: nothing left to do
+            logger.debug("destroy_process_group at exit: %s", err)
+    reset_group()
