@@ -259,6 +259,9 @@ class SequenceSharding:
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, with_kwargs=True, always_call=True),
         ]
+        # Refused up front: generate() would prefill through the hooks and fail at the first one-token step.
+        self.model = model
+        model.generate = _generate_refused
 
     def _pre(self, module, args, kwargs):
         if any(k in kwargs for k in META_KEYS):
@@ -267,7 +270,7 @@ class SequenceSharding:
         for p in self.signature.parameters.values():  # flatten **kwargs back into keyword arguments
             if p.kind is p.VAR_KEYWORD:
                 inputs.update(inputs.pop(p.name, {}))
-        if inputs.get("past_key_values") is not None:
+        if any(inputs.get(k) is not None for k in ("past_key_values", "cache")):  # renamed "cache" in 5.2x
             raise NotImplementedError("a KV cache (past_key_values) under context parallelism: generation is not "
                                       "sequence-parallel; generate with an unprepared model")
         isolate = isolates_documents(self.model_config, inputs.pop("use_cache", None))
@@ -291,6 +294,13 @@ class SequenceSharding:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.model.__dict__.pop("generate", None)
+
+
+def _generate_refused(*args, **kwargs):
+    raise NotImplementedError("generate() under context parallelism: generation is not sequence-parallel (each "
+                              "decoding step adds one token, which cannot be split over the cp ranks); save the model "
+                              "(accelerator.save_model) and generate with it unprepared, or use a layout without cp")
 
 
 def runtime_for(mesh, config) -> CPRuntime:
