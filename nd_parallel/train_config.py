@@ -158,7 +158,8 @@ _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "
            "lora_r": (int, 1, ">="), "lora_alpha": (float, 0, ">"), "lora_dropout": (float, 0, ">="),
            "eval_batch_size": (int, 1, ">="), "logging_steps": (int, 1, ">="), "save_total_limit": (int, 1, ">="),
            "evals_per_epoch": (int, 1, ">="), "saves_per_epoch": (int, 1, ">="), "warmup_ratio": (float, 0, ">="),
-           "eval_steps": (float, 0, ">"), "save_steps": (float, 0, ">")}
+           "eval_steps": (float, 0, ">"), "save_steps": (float, 0, ">"), "adam_beta1": (float, 0, ">="),
+           "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">")}
 _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_checkpointing", "lora_target_linear",
           "shuffle_merged_datasets", "fp16")
 

@@ -1,0 +1,81 @@
+"""`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
+
+Variants: completion (full fine-tuning, val_set_size + eval every 2 steps), alpaca + LoRA, chat_template with
+sample packing (full), alpaca + chat_template mixed with sample packing + LoRA. Gradient accumulation 2, linear
+LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 16 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
+micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else
+in its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or
+adapter (atol 1e-5).
+"""
+
+import pytest
+import torch
+
+from tests.distributed.train_yaml_helpers import (chat_entry, jobs_for, logged, run_jobs, saved_tensors,
+                                                  write_model_and_data, write_yaml)
+
+BASE = dict(sequence_len=160, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
+            lr_scheduler="linear", weight_decay=0.01, seed=0, adam_epsilon=1e-6, optimizer="adamw_torch", bf16="auto",
+            wandb_project=None, strict=False)
+LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_linear=True)
+LAYOUTS = {"fsdp2": ({"dp_shard_size": 2}, 2), "tp2": ({"tensor_parallel_size": 2}, 1),
+           "pp2": ({"pipeline_parallel_size": 2}, 1), "cp2": ({"context_parallel_size": 2}, 1)}
+
+
+def _variants(data):
+    alpaca = {"path": data["alpaca"], "ds_type": "json", "type": "alpaca"}
+    return {
+        "completion": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25, eval_steps=2),
+        "alpaca_lora": dict(datasets=[alpaca], **LORA),
+        "chat_packed": dict(datasets=[chat_entry(data["chat"])], sample_packing=True),
+        "mixed_packed_lora": dict(datasets=[alpaca, chat_entry(data["chat"])], sample_packing=True, **LORA),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_yaml")
+    data = write_model_and_data(root, n=96)  # no run reaches an epoch's end (where dp sharding pads)
+    variants = _variants(data)
+    shared = {"base_model": data["model"], "dataset_prepared_path": str(root / "prepared")}  # tokenized once per variant
+    parallel, refs = [], []
+    for variant, keys in variants.items():
+        for layout, (sizes, dp) in LAYOUTS.items():
+            out = root / f"{variant}-{layout}"
+            parallel.append(write_yaml(root / f"{variant}-{layout}.yaml",
+                                       {**BASE, **keys, **sizes, **shared, "output_dir": str(out)}))
+        for dp in (1, 2):
+            cfg = {**BASE, **keys, **shared, "output_dir": str(root / f"{variant}-ref{dp}"),
+                   "micro_batch_size": BASE["micro_batch_size"] * dp}
+            refs.append(write_yaml(root / f"{variant}-ref{dp}.yaml", cfg))
+    run_jobs(jobs_for(refs, root, 1), root, 1)
+    run_jobs(jobs_for(parallel, root, 2), root, 2)
+    return root
+
+
+CASES = [(v, lay) for v in ("completion", "alpaca_lora", "chat_packed", "mixed_packed_lora") for lay in LAYOUTS]
+
+
+@pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])
+def test_same_yaml_matches_one_process(runs, variant, layout):
+    dp = LAYOUTS[layout][1]
+    got, ref = runs / f"{variant}-{layout}", runs / f"{variant}-ref{dp}"
+    losses, ref_losses = [r["loss"] for r in logged(got)], [r["loss"] for r in logged(ref)]
+    assert [r["step"] for r in logged(got)] == [1, 2, 3]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    if "lora" not in variant:  # 3 LoRA steps from B = 0 move the loss too little to fall reliably
+        assert ref_losses[-1] < ref_losses[0]
+    evals, ref_evals = logged(got, "eval_log.jsonl"), logged(ref, "eval_log.jsonl")
+    assert len(evals) == len(ref_evals) == (2 if variant == "completion" else 0)  # step 2, and the last step
+    for a, b in zip(evals, ref_evals):
+        assert a["step"] == b["step"] and abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * abs(b["eval_loss"])
+    tensors, ref_tensors = saved_tensors(got), saved_tensors(ref)
+    assert set(tensors) == set(ref_tensors) and tensors
+    worst = max((tensors[k] - v).abs().max().item() for k, v in ref_tensors.items())
+    print(f"{variant} {layout}: losses {losses} max loss rel diff "
+          f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e} saved-tensor diff {worst:.2e}")
+    assert worst <= 1e-5
+    if "lora" in variant:
+        assert max(v.abs().max().item() for k, v in tensors.items() if "lora_B" in k) > 0  # the adapter trained
+        assert (got / "adapter_config.json").is_file() and not (got / "model.safetensors").exists()
+    assert (got / "tokenizer.json").is_file()

@@ -1,0 +1,89 @@
+"""Shared by the `nd-parallel train` tests: a tiny model with a tiny local tokenizer, the three record formats on
+disk, YAML writing, and the parity runner (several YAMLs per launch; one process for the references)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from nd_parallel.toy import make_text, save_tiny_model
+
+
+def write_model_and_data(root: Path, n: int = 48) -> dict:
+    """model/ (tiny Llama + tiny BPE with a ChatML template), text.jsonl, alpaca.json, chat.jsonl."""
+    from nd_parallel.tiny_tokenizer import train_tiny_tokenizer
+
+    lines = make_text(4 * n, seed=7)
+    model = save_tiny_model("llama", root / "model", seed=1)
+    train_tiny_tokenizer(lines).save_pretrained(model)
+    (root / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:n]))
+    alpaca = [{"instruction": lines[i], "input": lines[i + 1] if i % 2 else "", "output": lines[i + 2]}
+              for i in range(0, 3 * n, 3)]
+    (root / "alpaca.json").write_text(json.dumps(alpaca))
+    chats = [{"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": lines[i]},
+                                {"from": "gpt", "value": lines[i + 1]}, {"from": "human", "value": lines[i + 2]},
+                                {"from": "gpt", "value": lines[i + 3]}]} for i in range(0, 4 * n - 3, 4)]
+    (root / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return {"model": str(model), "text": str(root / "text.jsonl"), "alpaca": str(root / "alpaca.json"),
+            "chat": str(root / "chat.jsonl")}
+
+
+def chat_entry(path: str) -> dict:
+    """A ShareGPT-shaped file read with type: chat_template (Axolotl's mapping keys)."""
+    return {"path": path, "type": "chat_template", "field_messages": "conversations",
+            "message_property_mappings": {"role": "from", "content": "value"}}
+
+
+def write_yaml(path: Path, cfg: dict) -> Path:
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    return path
+
+
+def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list[dict]:
+    """The ranks' jobs, built exactly as `nd-parallel train` builds them (train_job.build_job)."""
+    from nd_parallel.cli import resolve_train_layout
+    from nd_parallel.train_config import load_train_config
+    from nd_parallel.train_job import build_job
+
+    jobs = []
+    for path in paths:
+        cfg = load_train_config(path)
+        layout, ranks, _ = resolve_train_layout(cfg, path, None, cpu=True)
+        assert ranks == nproc, (path, ranks)
+        job, _ = build_job(path, cfg, layout, str(workdir / path.stem))
+        jobs.append(job)
+    return jobs
+
+
+def run_jobs(jobs: list[dict], workdir: Path, nproc: int, timeout: float = 900) -> None:
+    """All jobs in one launch of nproc ranks (nproc=1: one plain process, no process group)."""
+    from nd_parallel import train
+    from nd_parallel.launch import launch
+
+    spec = workdir / f"jobs_{nproc}.json"
+    spec.write_text(json.dumps({"jobs": jobs}))
+    env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    if nproc > 1:
+        launch(train.__file__, nproc, [str(spec)], timeout=timeout, env=env, capture=True)
+    else:
+        subprocess.run([sys.executable, train.__file__, str(spec)], check=True, capture_output=True, timeout=timeout,
+                       env={**os.environ, **env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
+
+
+def logged(output_dir: str | Path, name: str = "train_log.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / name).read_text().splitlines()]
+
+
+def saved_tensors(output_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The final model's or adapter's tensors, as written to output_dir."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(Path(output_dir).glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
