@@ -156,8 +156,13 @@ def runs(model_dirs, tmp_path_factory):
                 "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
             }
             (out / "spec.json").write_text(json.dumps(spec))
-            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
-            done[name] = out
+            try:
+                launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
+                done[name] = out
+            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
+                done[name] = err
+        if isinstance(done[name], Exception):
+            raise done[name]
         return done[name]
 
     return get

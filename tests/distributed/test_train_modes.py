@@ -134,8 +134,13 @@ def results(tmp_path_factory):
             out.mkdir()
             runs = [run for w, run in PLAN if w == world]
             (out / "spec.json").write_text(json.dumps({"models": models, "runs": runs}))
-            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=1200, capture=True)
-            done[world] = out
+            try:
+                launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=1200, capture=True)
+                done[world] = out
+            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
+                done[world] = err
+        if isinstance(done[world], Exception):
+            raise done[world]
         return torch.load(done[world] / f"{name}.pt", weights_only=True)
 
     return get

@@ -36,13 +36,13 @@ GC_TOL = 1e-6
 # launch -> (world, {row: (config, extras)})
 LAUNCHES = {
     "2r": (2, {"ddp2": ({"dp_replicate_size": 2}, EV), "pp2": ({"pp_size": 2}, EV), "cp2": ({"cp_size": 2}, EV),
-               "fsdp2": ({"dp_shard_size": 2}, EV),
+               "fsdp2": ({"dp_shard_size": 2}, EV), "tp2": ({"tp_size": 2}, EV),
                "gc_fsdp2": ({"dp_shard_size": 2}, {**EV, "train": {"gradient_checkpointing": True}}),
                "bf16_fsdp2": ({"dp_shard_size": 2}, {"train": {"bf16": True}}),
                # same dp size (same global batches), another layout: the pipeline's checkpoint loads under CP
                "save_pp2": ({"pp_size": 2}, {"save": True}),
                "resume_cp2": ({"cp_size": 2}, {"resume": "save_pp2/checkpoint-2"})}),
-    "4r": (4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, EV),
+    "4r": (4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, EV), "pp2_tp2": ({"pp_size": 2, "tp_size": 2}, EV),
                "lora_fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, {"lora": True, "save_model": "adapter", **EV})}),
 }
 PARITY = [(n, row) for n, (_, rows) in LAUNCHES.items() for row in rows
@@ -87,9 +87,14 @@ def runs(model_dir, tmp_path_factory):
             for row, (config, extras) in rows.items():
                 extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
                 spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
-            launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
-                   env={"PYTHONPATH": PYPATH})
-            done[name] = out
+            try:
+                launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
+                       env={"PYTHONPATH": PYPATH})
+                done[name] = out
+            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
+                done[name] = err
+        if isinstance(done[name], Exception):
+            raise done[name]
         return done[name]
 
     return get
