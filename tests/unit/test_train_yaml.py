@@ -1,0 +1,227 @@
+"""`nd-parallel train`'s Axolotl YAML and data pipeline, in one process (no ranks): key sorting, refusals in one
+message, fsdp_config mapping, the Trainer's arguments, the record formats, packing, caching, and bad input caught
+before any rank starts with the file, the record and the fix."""
+
+import json
+import re
+
+import pytest
+
+from nd_parallel.cli import main
+from nd_parallel.config import ConfigError
+from nd_parallel.train_config import load_train_config
+from tests.distributed.train_yaml_helpers import chat_entry, write_model_and_data, write_yaml
+
+# The issue's "typical Axolotl LoRA YAML", keys as users write them.
+REAL_WORLD = """
+base_model: {model}
+model_type: LlamaForCausalLM
+tokenizer_type: AutoTokenizer
+datasets:
+  - path: {alpaca}
+    ds_type: json
+    type: alpaca
+dataset_prepared_path:
+val_set_size: 0.1
+output_dir: {out}
+adapter: lora
+lora_model_dir:
+lora_r: 4
+lora_alpha: 8
+lora_dropout: 0.0
+lora_target_linear: true
+sample_packing: true
+pad_to_sequence_len: true
+sequence_len: 200
+wandb_project:
+wandb_entity:
+wandb_watch:
+wandb_name:
+wandb_log_model:
+gradient_accumulation_steps: 2
+micro_batch_size: 2
+num_epochs: 1
+max_steps: 4
+optimizer: adamw_torch
+lr_scheduler: cosine
+learning_rate: 0.002
+train_on_inputs: false
+group_by_length: false
+bf16: auto
+fp16:
+tf32: false
+gradient_checkpointing: true
+early_stopping_patience:
+resume_from_checkpoint:
+logging_steps: 1
+xformers_attention:
+flash_attention: false
+warmup_steps: 1
+evals_per_epoch: 2
+saves_per_epoch: 1
+weight_decay: 0.0
+fsdp_version: 2
+fsdp_config:
+  reshard_after_forward: true
+  state_dict_type: FULL_STATE_DICT
+  auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  transformer_layer_cls_to_wrap: LlamaDecoderLayer
+dp_shard_size: 2
+special_tokens:
+  pad_token: "<pad>"
+"""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_model_and_data(tmp_path_factory.mktemp("yaml_data"), n=40)
+
+
+def real_world(tmp_path, data, **replace) -> str:
+    text = REAL_WORLD.format(model=data["model"], alpaca=data["alpaca"], out=tmp_path / "out")
+    for key, value in replace.items():
+        text = re.sub(rf"^{key}:.*$", f"{key}: {value}", text, count=1, flags=re.MULTILINE)
+    path = tmp_path / "axolotl.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
+    cfg = load_train_config(real_world(tmp_path, data))
+    assert cfg.adapter == "lora" and cfg.lora_target_linear and cfg.sample_packing and cfg.val_set_size == 0.1
+    assert cfg.parallel.dp_shard_size == 2 and cfg.parallel.activation_checkpointing == "full"
+    assert {"wandb_project", "wandb_entity", "group_by_length", "xformers_attention", "flash_attention",
+            "early_stopping_patience"} <= set(cfg.unused)
+    from nd_parallel.train_job import trainer_arguments
+
+    args = trainer_arguments(cfg, "x", train_rows=40, eval_rows=4, dp=2)
+    # 40 rows over 2 dp ranks, 2 per micro-batch, 2 micro-batches per step: 5 steps per epoch
+    assert args["eval_strategy"] == "steps" and args["eval_steps"] == 2
+    assert args["save_strategy"] == "steps" and args["save_steps"] == 5
+    assert args["bf16"] is False and args["logging_steps"] == 1 and args["warmup_steps"] == 1
+
+
+def test_keys_that_change_training_are_refused_together(tmp_path, data):
+    path = real_world(tmp_path, data, flash_attention="true", group_by_length="true", optimizer="lion_8bit",
+                      fp16="true")
+    text = open(path).read() + "load_in_4bit: true\ndeepspeed: deepspeed_configs/zero3.json\nrl: dpo\n"
+    open(path, "w").write(text.replace("adapter: lora", "adapter: qlora"))
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path)
+    message = str(err.value)
+    assert "8 setting(s) cannot be used" in message, message
+    for needle in ("flash_attention=True: drop it", "group_by_length=True", "load_in_4bit=True: quantized",
+                   "deepspeed='deepspeed_configs/zero3.json': drop deepspeed", "rl='dpo'", "adapter='qlora': use "
+                   "adapter: lora", "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
+        assert needle in message, (needle, message)
+
+
+@pytest.mark.parametrize("fsdp,match", [("  offload_params: true\n", "CPU offload is not implemented"),
+                                        ("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
+                                        ("  sharding_strategy: HYBRID_SHARD\n", "dp_replicate_size and dp_shard"),
+                                        ("  mystery: 1\n", "fsdp_config.mystery")])
+def test_fsdp_config_refused_with_the_reason(tmp_path, data, fsdp, match):
+    path = real_world(tmp_path, data)
+    text = open(path).read().replace("  reshard_after_forward: true\n", "")  # a repeated key: YAML keeps the last
+    open(path, "w").write(text.replace("fsdp_config:\n", "fsdp_config:\n" + fsdp))
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
+
+
+def test_fsdp_without_sizes_shards_over_every_rank(tmp_path, data):
+    path = write_yaml(tmp_path / "f.yml", {"base_model": data["model"], "datasets": [data["text"]],
+                                          "fsdp_config": {"activation_checkpointing": True}, "fsdp_version": 2})
+    cfg = load_train_config(path)
+    assert cfg.parallel.dp_shard_size == -1 and cfg.parallel.activation_checkpointing == "full"
+
+
+# ------------------------------------------------------------------------------------------------ data
+def _prepare(tmp_path, data, **keys):
+    from nd_parallel.data_pipeline import load_prepared, prepare
+
+    cfg = load_train_config(write_yaml(tmp_path / "d.yml", {"base_model": data["model"], **keys}))
+    prepared = prepare(cfg, tmp_path / "work")
+    return (prepared, *load_prepared(prepared.path))
+
+
+def test_chat_template_trains_on_assistant_turns_only(tmp_path, data):
+    _, train, _, tok = _prepare(tmp_path, data, datasets=[chat_entry(data["chat"])], sequence_len=256)
+    row = train[0]
+    trained = tok.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab != -100])
+    first = json.loads(open(data["chat"]).readline())["conversations"]
+    assert trained == f"{first[2]['value']}<|im_end|>\n{first[4]['value']}<|im_end|>\n"
+
+
+def test_alpaca_prompt_is_not_trained_and_packing_restarts_positions(tmp_path, data):
+    alpaca = {"path": data["alpaca"], "type": "alpaca"}
+    _, rows, _, tok = _prepare(tmp_path, data, datasets=[alpaca], sequence_len=256)
+    assert "### Response:" in tok.decode(rows[0]["input_ids"]) and rows[0]["labels"][0] == -100
+    text = {"path": data["text"], "type": "completion"}
+    _, rows, _, _ = _prepare(tmp_path, data, datasets=[text], sequence_len=256)
+    _, packed, _, _ = _prepare(tmp_path, data, datasets=[text], sequence_len=256, sample_packing=True)
+    assert len(packed) < len(rows) and all(len(r["input_ids"]) <= 256 for r in packed)
+    pos, labels = packed[0]["position_ids"], packed[0]["labels"]
+    starts = [i for i, p in enumerate(pos) if p == 0]
+    assert len(starts) >= 2 and all(labels[i] == -100 for i in starts)
+    from nd_parallel.data_pipeline import Collator
+
+    batch = Collator(0, pad_to=256)([packed[0]])
+    assert batch["position_ids"].shape == (1, 256) and "attention_mask" not in batch
+
+
+def test_prepared_data_is_cached_and_pretraining_is_cut_into_blocks(tmp_path, data):
+    keys = dict(datasets=[{"path": data["text"], "type": "pretraining"}], sequence_len=32,
+                dataset_prepared_path=str(tmp_path / "prepared"))
+    first, rows, _, _ = _prepare(tmp_path, data, **keys)
+    again, _, _, _ = _prepare(tmp_path, data, **keys)
+    assert not first.cached and again.cached and again.path == first.path
+    assert all(len(r["input_ids"]) == 32 for r in rows.select(range(len(rows) - 1)))
+
+
+def test_checkpoint_without_tokenizer_uses_bytes(tmp_path):
+    from nd_parallel.toy import save_tiny_model
+
+    model = save_tiny_model("llama", tmp_path / "m")
+    (tmp_path / "t.txt").write_text("hello\nworld\n")
+    prepared, rows, _, tok = _prepare(tmp_path, {"model": str(model)}, dataset_path=str(tmp_path / "t.txt"),
+                                     sequence_len=64)
+    assert prepared.tokenizer_how.startswith("byte-level") and rows[0]["input_ids"] == list(b"hello") + [1]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _bad(tmp_path, data, records=None, name="bad.jsonl", entry=None, **keys):
+    if records is not None:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    entry = entry or {"path": str(tmp_path / name), "type": "alpaca"}
+    path = write_yaml(tmp_path / "bad.yml", {"base_model": data["model"], "datasets": [entry], "sequence_len": 256,
+                                            "output_dir": str(tmp_path / "model-out"), **keys})
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing_file", "missing_field", "unknown_role", "too_long", "empty"])
+def test_bad_input_stops_before_any_rank_with_file_record_and_fix(tmp_path, data, capsys, case):
+    good = {"instruction": "a", "input": "", "output": "b"}
+    if case == "missing_file":
+        path = _bad(tmp_path, data, entry={"path": str(tmp_path / "nowhere.jsonl"), "type": "completion"})
+        want = [f"dataset file '{tmp_path / 'nowhere.jsonl'}' does not exist", "fix the path"]
+    elif case == "missing_field":
+        path = _bad(tmp_path, data, [good, good, good, {"instruction": "a", "answer": "b"}])
+        want = [f"{tmp_path / 'bad.jsonl'}, record 3: no 'output' field (it has instruction, answer)",
+                "alpaca records need instruction, output"]
+    elif case == "unknown_role":
+        turns = [{"role": "user", "content": "hi"}, {"role": "narrator", "content": "..."}]
+        path = _bad(tmp_path, data, [{"messages": turns[:1]}, {"messages": turns}],
+                    entry={"path": str(tmp_path / "bad.jsonl"), "type": "chat_template"})
+        want = [f"{tmp_path / 'bad.jsonl'}, record 1, turn 1: role 'narrator' is not one the chat template knows",
+                "roles: {assistant: [assistant, narrator]}"]
+    elif case == "too_long":
+        path = _bad(tmp_path, data, [good], sequence_len=4096)
+        want = ["sequence_len=4096 is beyond the model's max_position_embeddings=256", "use sequence_len <= 256"]
+    else:
+        path = _bad(tmp_path, data, [{"instruction": "x " * 300, "input": "", "output": "y"}] * 3, sequence_len=64)
+        want = [f"{tmp_path / 'bad.jsonl'}: none of its 3 records is left", "raise sequence_len"]
+    assert main(["train", str(path), "--cpu"]) == 2
+    err = capsys.readouterr().err
+    for needle in want:
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "model-out").exists()  # stopped in the parent: no rank started, nothing written
