@@ -119,3 +119,22 @@ def launch_for_result(script: str, nprocs: int, args: list[str] = (), **kwargs):
         result = Path(tmp) / "result.json"
         launch(script, nprocs, [*args, "--worker", "--result", str(result)], **kwargs)
         return json.loads(result.read_text())
+
+
+class LaunchOnce:
+    """Per-key results of expensive launches (one launch serves many test rows). A failed launch is remembered
+    and re-raised for every later row, so a broken launch costs its time once, not once per row."""
+
+    def __init__(self):
+        self._done: dict = {}
+
+    def get(self, key, start):
+        """``start()``'s result for ``key``, computed on first use."""
+        if key not in self._done:
+            try:
+                self._done[key] = start()
+            except (RuntimeError, TimeoutError) as err:
+                self._done[key] = err
+        if isinstance(self._done[key], BaseException):
+            raise self._done[key]
+        return self._done[key]

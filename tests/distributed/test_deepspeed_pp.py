@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.launch import LaunchOnce, launch
 from nd_parallel.parity import Recipe, RunResult, compare, train_reference
 from nd_parallel.toy import make_samples
 
@@ -136,24 +136,25 @@ def deepspeed_available():
 @pytest.fixture(scope="module")
 def runs(deepspeed_available, model_dirs, tmp_path_factory):
     """launch name -> directory of rank-0 results, launched lazily once per launch."""
-    done = {}
+    done = LaunchOnce()
 
     def get(name):
-        if name not in done:
-            world, per_rank, layouts, families = LAUNCHES[name]
-            out = tmp_path_factory.mktemp(f"ds_{name}")
-            spec = {
-                "models": model_dirs,
-                "runs": [[f, n, lay["config"], f"{f}__{n}", lay["data"]] for f in families
-                         for n, lay in layouts.items() if (name, f, n) not in SKIP],
-                "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
-                "samples": SAMPLES,
-            }
-            (out / "spec.json").write_text(json.dumps(spec))
-            env = {} if ON_GPU else {"DS_ACCELERATOR": "cpu"}
-            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True, env=env)
-            done[name] = out
-        return done[name]
+        return done.get(name, lambda: _launch(name))
+
+    def _launch(name):
+        world, per_rank, layouts, families = LAUNCHES[name]
+        out = tmp_path_factory.mktemp(f"ds_{name}")
+        spec = {
+            "models": model_dirs,
+            "runs": [[f, n, lay["config"], f"{f}__{n}", lay["data"]] for f in families
+                     for n, lay in layouts.items() if (name, f, n) not in SKIP],
+            "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
+            "samples": SAMPLES,
+        }
+        (out / "spec.json").write_text(json.dumps(spec))
+        env = {} if ON_GPU else {"DS_ACCELERATOR": "cpu"}
+        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True, env=env)
+        return out
 
     return get
 

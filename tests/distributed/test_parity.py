@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.launch import LaunchOnce, launch
 from nd_parallel.parity import Recipe, RunResult, compare, train_reference
 from nd_parallel.toy import make_samples
 
@@ -142,28 +142,24 @@ def model_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(model_dirs, tmp_path_factory):
     """launch name -> directory of rank-0 results, launched lazily once per launch."""
-    done = {}
+    done = LaunchOnce()
 
     def get(name):
-        if name not in done:
-            world, per_rank, layouts = LAUNCHES[name]
-            out = tmp_path_factory.mktemp(f"parity_{name}")
-            spec = {
-                "models": {f"{f}{lay['layers']}": model_dirs(f, lay["layers"])
-                           for f in FAMILIES[name] for lay in layouts.values()},
-                "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}", lay["samples"]]
-                         for f in FAMILIES[name] for n, lay in layouts.items() if (f, n) not in EXCLUDE],
-                "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
-            }
-            (out / "spec.json").write_text(json.dumps(spec))
-            try:
-                launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
-                done[name] = out
-            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
-                done[name] = err
-        if isinstance(done[name], Exception):
-            raise done[name]
-        return done[name]
+        return done.get(name, lambda: _launch(name))
+
+    def _launch(name):
+        world, per_rank, layouts = LAUNCHES[name]
+        out = tmp_path_factory.mktemp(f"parity_{name}")
+        spec = {
+            "models": {f"{f}{lay['layers']}": model_dirs(f, lay["layers"])
+                       for f in FAMILIES[name] for lay in layouts.values()},
+            "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}", lay["samples"]]
+                     for f in FAMILIES[name] for n, lay in layouts.items() if (f, n) not in EXCLUDE],
+            "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
+        }
+        (out / "spec.json").write_text(json.dumps(spec))
+        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
+        return out
 
     return get
 

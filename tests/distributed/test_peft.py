@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.launch import LaunchOnce, launch
 from nd_parallel.parity import Recipe, RunResult, compare
 from nd_parallel.toy import make_samples
 
@@ -57,27 +57,28 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(model_dirs, tmp_path_factory):
-    done = {}
+    done = LaunchOnce()
 
     def get(name):
-        if name not in done:
-            world, per_rank, layouts = LAUNCHES[name]
-            out = tmp_path_factory.mktemp(f"peft_{name}")
-            rows = [[f, cfg, how, f"{f}__{lay}", {}] for f in FAMILIES for lay, (cfg, how) in layouts.items()]
-            for row in rows:
-                if row[3] == f"llama__{EXPORTS[name]}":
-                    row[4] = {"adapter": str(out / "adapter"), "merged": str(out / "merged")}
-            for saver, loader in RESUME[name]:
-                next(r for r in rows if r[3] == f"llama__{saver}")[4].update(save_at=2, ckpt=str(out / saver))
-                cfg, how = {**layouts, **RESUME_ONLY}[loader]
-                rows.append(["llama", cfg, how, f"resume__{saver}__{loader}", {"resume": str(out / saver)}])
-            spec = {"models": model_dirs, "samples": SAMPLES, "runs": rows,
-                    "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
-            (out / "spec.json").write_text(json.dumps(spec))
-            launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True,
-                   env={"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)})
-            done[name] = out
-        return done[name]
+        return done.get(name, lambda: _launch(name))
+
+    def _launch(name):
+        world, per_rank, layouts = LAUNCHES[name]
+        out = tmp_path_factory.mktemp(f"peft_{name}")
+        rows = [[f, cfg, how, f"{f}__{lay}", {}] for f in FAMILIES for lay, (cfg, how) in layouts.items()]
+        for row in rows:
+            if row[3] == f"llama__{EXPORTS[name]}":
+                row[4] = {"adapter": str(out / "adapter"), "merged": str(out / "merged")}
+        for saver, loader in RESUME[name]:
+            next(r for r in rows if r[3] == f"llama__{saver}")[4].update(save_at=2, ckpt=str(out / saver))
+            cfg, how = {**layouts, **RESUME_ONLY}[loader]
+            rows.append(["llama", cfg, how, f"resume__{saver}__{loader}", {"resume": str(out / saver)}])
+        spec = {"models": model_dirs, "samples": SAMPLES, "runs": rows,
+                "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
+        (out / "spec.json").write_text(json.dumps(spec))
+        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True,
+               env={"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)})
+        return out
 
     return get
 

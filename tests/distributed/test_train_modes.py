@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.launch import LaunchOnce, launch
 
 WORKER = "tests/distributed/precision_worker.py"
 GLOBAL_BATCH = 4
@@ -125,23 +125,19 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_modes")
     families = set(BF16_FAMILIES) | set(AC_FAMILIES) | set(EVAL_FAMILIES)
     models = {f: str(save_tiny_model(f, root / f, num_hidden_layers=4)) for f in families}
-    done = {}
+    done = LaunchOnce()
 
     def get(name):
         world = next(w for w, run in PLAN if run["name"] == name)
-        if world not in done:
-            out = root / f"w{world}"
-            out.mkdir()
-            runs = [run for w, run in PLAN if w == world]
-            (out / "spec.json").write_text(json.dumps({"models": models, "runs": runs}))
-            try:
-                launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=1200, capture=True)
-                done[world] = out
-            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
-                done[world] = err
-        if isinstance(done[world], Exception):
-            raise done[world]
-        return torch.load(done[world] / f"{name}.pt", weights_only=True)
+        return torch.load(done.get(world, lambda: _launch(world)) / f"{name}.pt", weights_only=True)
+
+    def _launch(world):
+        out = root / f"w{world}"
+        out.mkdir()
+        runs = [run for w, run in PLAN if w == world]
+        (out / "spec.json").write_text(json.dumps({"models": models, "runs": runs}))
+        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=1200, capture=True)
+        return out
 
     return get
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.launch import LaunchOnce, launch
 
 WORKER = "tests/distributed/trainer_worker.py"
 HERE = str(Path(__file__).parent)
@@ -77,25 +77,21 @@ def _spec(out, model_dir, runs):
 
 @pytest.fixture(scope="module")
 def runs(model_dir, tmp_path_factory):
-    done = {}
+    done = LaunchOnce()
 
     def get(name):
-        if name not in done:
-            world, rows = LAUNCHES[name]
-            out = tmp_path_factory.mktemp(f"trainer_{name}")
-            spec_runs = []
-            for row, (config, extras) in rows.items():
-                extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
-                spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
-            try:
-                launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
-                       env={"PYTHONPATH": PYPATH})
-                done[name] = out
-            except (RuntimeError, TimeoutError) as err:  # every row of a failed launch fails, none relaunches
-                done[name] = err
-        if isinstance(done[name], Exception):
-            raise done[name]
-        return done[name]
+        return done.get(name, lambda: _launch(name))
+
+    def _launch(name):
+        world, rows = LAUNCHES[name]
+        out = tmp_path_factory.mktemp(f"trainer_{name}")
+        spec_runs = []
+        for row, (config, extras) in rows.items():
+            extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
+            spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
+        launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
+               env={"PYTHONPATH": PYPATH})
+        return out
 
     return get
 
