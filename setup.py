@@ -13,12 +13,14 @@ setup(
     package_dir={"nd_parallel.plugins": "plugins"},
     install_requires=[
         "torch>=2.9,<2.15",  # tested with 2.13
-        "transformers>=5.16,<5.25",
-        "accelerate>=1.13,<1.16",
+        "transformers>=5.16,<5.25",  # 5.16.1: Axolotl 0.19's pin
+        "accelerate>=1.13,<1.16",  # 1.13.0: Axolotl 0.19's pin
         "safetensors>=0.4",
         "pyyaml>=6.0",
         "tqdm>=4.60",
         "peft>=0.20,<0.22",  # LoRA under every layout; 0.20 is Axolotl 0.19's pin
+        "datasets>=3.0",  # nd-parallel train's data pipeline (Axolotl 0.19 runs 4.8)
+        "tokenizers>=0.21",  # local tokenizers (make-tiny, the byte-level fallback)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7"],

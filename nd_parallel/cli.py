@@ -257,8 +257,14 @@ def cmd_make_tiny(args) -> int:
     train_tiny_tokenizer(lines).save_pretrained(model)  # a BPE under the tiny vocabulary, with a chat template
     (root / "data.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
     (root / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines), encoding="utf-8")
+    chats = [{"conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": b}]}
+             for a, b in zip(lines[::2], lines[1::2])]
+    (root / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+    alpaca = [{"instruction": a, "input": "", "output": b} for a, b in zip(lines[::2], lines[1::2])]
+    (root / "alpaca.json").write_text(json.dumps(alpaca), encoding="utf-8")
     print(f"wrote a tiny {args.family} checkpoint with a tiny BPE tokenizer (ChatML template) to {model}\n"
-          f"and {args.lines} lines of text to {root / 'data.txt'} and {root / 'data.jsonl'}")
+          f"and {args.lines} lines of text to {root / 'data.txt'} and {root / 'data.jsonl'}, as conversations to "
+          f"{root / 'chat.jsonl'} and as alpaca records to {root / 'alpaca.json'}")
     return 0
 
 

@@ -80,7 +80,8 @@ def data(tmp_path_factory):
 def real_world(tmp_path, data, **replace) -> str:
     text = REAL_WORLD.format(model=data["model"], alpaca=data["alpaca"], out=tmp_path / "out")
     for key, value in replace.items():
-        text = re.sub(rf"^{key}:.*$", f"{key}: {value}", text, count=1, flags=re.MULTILINE)
+        line = re.compile(rf"^{key}:.*$", re.MULTILINE)
+        text = line.sub(f"{key}: {value}", text, count=1) if line.search(text) else text + f"{key}: {value}\n"
     path = tmp_path / "axolotl.yml"
     path.write_text(text)
     return str(path)
