@@ -57,15 +57,17 @@ def total_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, extra
 
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, extra_group=None,
-    exclude_from_norm: set[int] = frozenset(),
+    exclude_from_norm: set[int] = frozenset(), check=None,
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm`` (torch's formula); return the norm.
 
     ``exclude_from_norm``: ids of parameters that duplicate another one's gradient (a tied weight's second
-    copy); they are scaled but not counted.
+    copy); they are scaled but not counted. ``check(norm)`` runs before any gradient is scaled.
     """
     parameters = [p for p in parameters if p.grad is not None]
     norm = total_norm(parameters, norm_type, extra_group, exclude_from_norm)
+    if check is not None:  # before scaling: a NaN norm would turn every gradient into NaN and hide where it began
+        check(norm)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in parameters:
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

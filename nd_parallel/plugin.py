@@ -276,6 +276,7 @@ class NDParallelPlugin:
         check_batch_size(data_loader, self.config, self.accelerator.split_batches)
         prepared = shard_dataloader(data_loader, self.config, self.accelerator.process_index, self.accelerator)
         track_position(prepared)  # so that save_state / load_state keep where the loop stands
+        self.fault.on_dataloader(prepared)  # save_on_signal: its workers outlive the signal until the rank saves
         self.accelerator._dataloaders.append(prepared)
         return prepared
 
@@ -303,16 +304,13 @@ class NDParallelPlugin:
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The true global gradient norm over every dimension, identical on every rank."""
         parameters = list(parameters)
+        check = self.fault.observe_norm  # NaN/Inf: stop naming step, rank, parameter, or skip (fault/nonfinite.py)
         if self.config.pp_size == 1 or self._mesh is None:
-            norm = clip_grad_norm_(parameters, max_norm, norm_type)
-        else:
-            # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
-            skip = {id(m.tied.duplicate) for m in self._models
-                    if getattr(m, "tied", None) and m.tied.duplicate is not None}
-            norm = clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
-                                   exclude_from_norm=skip)
-        self.fault.observe_norm(norm)  # NaN/Inf: stop naming step, rank, parameter, or skip (fault/nonfinite.py)
-        return norm
+            return clip_grad_norm_(parameters, max_norm, norm_type, check=check)
+        # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
+        skip = {id(m.tied.duplicate) for m in self._models if getattr(m, "tied", None) and m.tied.duplicate is not None}
+        return clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
+                               exclude_from_norm=skip, check=check)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""

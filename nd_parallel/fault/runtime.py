@@ -12,6 +12,8 @@ from __future__ import annotations
 import atexit
 import logging
 
+import types
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,12 @@ class FaultTolerance:
         groups = {mesh[d].get_group() for d in (*mesh.world.mesh_dim_names, "dp", "dp_cp", "dp_shard_cp")}
         set_backstop_timeouts([dist.group.WORLD, *groups], self.hang_timeout, self.device.type)
 
+    def on_dataloader(self, loader) -> None:
+        if self.preemption is not None:
+            from .signals import shield_workers
+
+            shield_workers(loader)
+
     def check_agreement(self, objects) -> None:
         if self.distributed:
             agreement.check(agreement.fields_of(self.plugin.config, objects))
@@ -62,7 +70,7 @@ class FaultTolerance:
         """Count steps, check loss and norm before the step, and drop a step the guard marked as skipped."""
         original = optimizer.step
 
-        def step(*args, **kwargs):
+        def step(opt, *args, **kwargs):  # a bound method, as LR schedulers built later expect (.__func__)
             if not optimizer.gradient_state.sync_gradients:  # accumulating: Accelerate does not step either
                 return original(*args, **kwargs)
             if not self._norm_checked:  # no clip_grad_norm_ this step: the loss alone
@@ -78,7 +86,7 @@ class FaultTolerance:
             optimizer._is_overflow = False
             return original(*args, **kwargs)
 
-        optimizer.step = step
+        optimizer.step = types.MethodType(step, optimizer)
 
     # -------------------------------------------------------------------------------------------- step
     def observe_loss(self, loss) -> None:

@@ -56,3 +56,28 @@ class PreemptionFlag:
         if distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+class _ShieldedInit:
+    """worker_init_fn of a dataloader worker under save_on_signal: ignore SIGTERM/SIGINT, then the user's init.
+
+    Torchrun signals each rank's whole process group, which holds its dataloader workers, and torch's worker handler
+    dies on a SIGTERM not sent by its rank: the rank would lose its data in the middle of the step it must finish
+    before the preemption checkpoint. The workers still end: the rank shuts them down when it exits, they watch for
+    its death, and the launcher SIGKILLs whatever is left (launch.py)."""
+
+    def __init__(self, init=None):
+        self.init = init
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.init is not None:
+            self.init(worker_id)
+
+
+def shield_workers(loader) -> None:
+    """Make ``loader``'s workers (started later, at iteration) keep serving while the rank finishes its step."""
+    loader = getattr(loader, "base_dataloader", loader)  # Accelerate's DataLoaderShard wraps the one that iterates
+    if getattr(loader, "num_workers", 0) > 0 and not isinstance(loader.worker_init_fn, _ShieldedInit):
+        loader.worker_init_fn = _ShieldedInit(loader.worker_init_fn)

@@ -63,8 +63,9 @@ def train_step(batch):
 
 
 def nonfinite(batch, step):
-    """Step 2: NaN gradient on rank 1 (skipped: skip_nonfinite_steps=1); step 3: again, now the run must stop."""
-    if step == 4:  # a NaN in the weights: the checkpoint must be refused, and nothing published
+    """Step 2: NaN gradient on rank 1 (skipped: skip_nonfinite_steps=1); step 3: again, now the run must stop.
+    With nan_save: a NaN in rank 0's weights at step 2, then save_state must be refused and nothing published."""
+    if step == 2 and options.get("nan_save"):
         with torch.no_grad():
             next(p for n, p in model.named_parameters() if n.endswith("layers.1.mlp.up_proj.weight")).to_local()[0, 0] = float("nan")
         try:
