@@ -7,8 +7,10 @@ of 4 ranks trains every layout for a few steps and measures:
   level: a TorchDispatchMode that follows every storage an op creates until it is freed, plus the parameters,
   gradients and optimizer state alive when the step starts (the count torch.distributed._tools.mem_tracker.MemTracker keeps);
 - the median step time over `--steps` steps after a warm-up (without the tracker).
-Before the layouts, every rank measures this machine's rates at once (matmul FLOP/s, elementwise bytes/s, gloo
-all-reduce latency and bandwidth); the planner's Cluster gets those, nothing else is fitted.
+Before the layouts, every rank measures this machine's rates at once (matmul FLOP/s; elementwise bytes/s of
+out-of-place ops; gloo all-reduce latency and bandwidth; send/recv latency; host seconds per aten op and per DTensor
+op on 8-element tensors; how much faster one rank computes while the others wait); the planner's Cluster gets
+those, nothing else is fitted. The op counts the time model multiplies them with come from the model (ops.py).
 Beside our prediction: accelerate's `estimate-memory` training figure and DeepSpeed's ZeRO-3 model-state
 estimator on the same model (they do not see the layout, activations or logits).
 
@@ -81,17 +83,74 @@ def _rates(dist) -> dict:
 
     a, b = torch.randn(1024, 256), torch.randn(256, 688)
     flops = 2 * 1024 * 256 * 688 / timed(lambda: a @ b, 20)
+    # alone: rank 0 multiplies while the others wait in a barrier (a pipeline bubble: idle ranks leave the shared
+    # cores to the busy one)
+    start = time.perf_counter()
+    if dist.get_rank() == 0:
+        for _ in range(20):
+            a @ b
+    alone = time.perf_counter() - start
+    dist.barrier()
+    flops_alone = 2 * 1024 * 256 * 688 * 20 / alone
     x = torch.randn(4 * 2**20)
-    mem_bw = 2 * x.numel() * 4 / timed(lambda: x.mul_(1.0), 10)
+    # elementwise as a step runs it: out of place (a fresh output each time), a mix of a multiply, an activation
+    # and an exponential; read + write per element
+    mem_bw = 3 * 2 * x.numel() * 4 / timed(lambda: (x * 1.5, torch.nn.functional.silu(x), torch.exp(x)), 5)
     small, big = torch.zeros(256), torch.zeros(2**20)
     latency = timed(lambda: dist.all_reduce(small), 20)
     t_big = timed(lambda: dist.all_reduce(big), 5)
     n = dist.get_world_size()
     bw = 2 * (n - 1) / n * big.numel() * 4 / max(t_big - latency, 1e-9)
-    out = torch.tensor([flops, mem_bw, latency, bw], dtype=torch.float64)
+    op_s, dtensor_op_s = _op_rates(timed)
+    p2p = _p2p_latency(dist, timed)
+    out = torch.tensor([flops, mem_bw, latency, bw, op_s, dtensor_op_s, p2p,
+                        flops_alone if dist.get_rank() == 0 else 0.0], dtype=torch.float64)
     dist.all_reduce(out)  # every rank uses the same (mean) rates
-    flops, mem_bw, latency, bw = (out / n).tolist()
-    return {"flops": flops, "mem_bw": mem_bw, "latency": latency, "bandwidth": bw}
+    flops, mem_bw, latency, bw, op_s, dtensor_op_s, p2p, flops_alone = (out / n).tolist()
+    return {"flops": flops, "mem_bw": mem_bw, "latency": latency, "bandwidth": bw, "op_s": op_s,
+            "dtensor_op_s": dtensor_op_s, "p2p_latency": p2p, "idle_speedup": max(1.0, flops_alone * n / flops)}
+
+
+def _op_rates(timed) -> tuple[float, float]:
+    """Seconds per aten op on an 8-element tensor (dispatch cost, no arithmetic to speak of), averaged over a
+    chain's forward (issued from Python, recording autograd) and its backward (issued by the autograd engine) the
+    way a training step mixes them; and the same per op on a DTensor (sharding propagation on top)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from nd_parallel.planner.ops import _Count
+
+    n_ops = 50
+    x = torch.zeros(8, requires_grad=True)
+
+    def chain(t):
+        for _ in range(n_ops):
+            t = t * 1.5
+        return t.sum()
+
+    counted = _Count()
+    with counted:  # the ops one forward + backward of the chain dispatches
+        chain(x).backward()
+    plain = timed(lambda: chain(x).backward(), 10) / counted.n
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    d = distribute_tensor(torch.zeros(8), mesh, [Replicate()]).requires_grad_()  # Replicate: no communication
+    dtensor = timed(lambda: chain(d).backward(), 3) / counted.n
+    return plain, dtensor
+
+
+def _p2p_latency(dist, timed) -> float:
+    """Seconds per send/recv of an 8-element tensor between rank pairs (0<->1, 2<->3): a pipeline hop, a ring step."""
+    rank, small = dist.get_rank(), torch.zeros(8)
+    peer = rank ^ 1
+
+    def hop():
+        if rank % 2 == 0:
+            dist.send(small, peer)
+            dist.recv(small, peer)
+        else:
+            dist.recv(small, peer)
+            dist.send(small, peer)
+    return timed(hop, 20) / 2
 
 
 def _measure(args, model_dir: str, name: str) -> dict:
@@ -144,7 +203,7 @@ def _measure(args, model_dir: str, name: str) -> dict:
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)
     del model, opt
-    return {"peaks": peaks, "step_s": statistics.median(times), "times": times}
+    return {"peaks": peaks, "step_s": statistics.median(times), "min_step_s": min(times), "times": times}
 
 
 def worker(args) -> None:
@@ -222,7 +281,10 @@ def report(data: dict, args, model_dirs: dict) -> dict:
     r = data["rates"]
     cluster = Cluster(nodes=1, gpus_per_node=WORLD, gpu_memory=2**40, intra_bw=r["bandwidth"],
                       inter_bw=r["bandwidth"], flops=r["flops"], efficiency=1.0, mem_bw=r["mem_bw"],
-                      latency=r["latency"], device="cpu")
+                      latency=r["latency"], device="cpu",
+                      **{field: r[key] for field, key in (("op_overhead", "op_s"), ("dtensor_op_overhead", "dtensor_op_s"),
+                                                          ("p2p_latency", "p2p_latency"),
+                                                          ("idle_speedup", "idle_speedup")) if key in r})
     rows = []
     for key, run in data["runs"].items():
         shape, name = key.split("/")
@@ -240,6 +302,7 @@ def report(data: dict, args, model_dirs: dict) -> dict:
             measured = max(run["peaks"])
             others = _others(model_dirs[shape], lora)
             row.update(measured_peak=measured, measured_peaks=run["peaks"], measured_step_s=run["step_s"],
+                   measured_min_step_s=run.get("min_step_s"),
                        error=None, mem_err=mem.peak / measured - 1,
                        accelerate_err=others["accelerate"] / measured - 1,
                        deepspeed_err=(others["deepspeed"] / measured - 1) if others["deepspeed"] else None)
@@ -262,6 +325,9 @@ def summarize(rows: list[dict]) -> dict:
         out[shape] = {"spearman": _spearman(pred, meas), "predicted_top": top["layout"],
                       "top_gap": top["measured_step_s"] / min(meas) - 1,
                       "measured_best": min(mine, key=lambda r: r["measured_step_s"])["layout"]}
+        if all(r.get("measured_min_step_s") for r in mine):  # the least disturbed step (others share the cores)
+            least = [r["measured_min_step_s"] for r in mine]
+            out[shape].update(spearman_min=_spearman(pred, least), top_gap_min=top["measured_min_step_s"] / min(least) - 1)
     return out
 
 
@@ -270,6 +336,11 @@ def print_report(rep: dict) -> None:
     r = rep["rates"]
     print(f"rates per rank (4 ranks busy): matmul {r['flops'] / 1e9:.2f} GFLOP/s, elementwise {r['mem_bw'] / 1e9:.2f} "
           f"GB/s, all-reduce latency {r['latency'] * 1e6:.0f} us, bandwidth {r['bandwidth'] / 1e9:.2f} GB/s")
+    if "op_s" in r:
+        print(f"  per op {r['op_s'] * 1e6:.1f} us, per DTensor op {r['dtensor_op_s'] * 1e6:.0f} us, send/recv "
+              f"{r['p2p_latency'] * 1e6:.0f} us, one rank alone {r['idle_speedup']:.2f}x faster")
+    else:
+        print("  (no per-op rates stored: the planner's defaults stand in for them)")
     print(f"{'shape':<26} {'layout':<20} {'pred MiB':>9} {'meas MiB':>9} {'err':>7} {'accel':>7} {'dspeed':>7} "
           f"{'pred s':>7} {'meas s':>7}  phase")
     for row in rep["rows"]:
@@ -288,6 +359,9 @@ def print_report(rep: dict) -> None:
         if isinstance(v, dict):
             print(f"{shape}: Spearman {v['spearman']:.2f} (target >= 0.8); predicted top {v['predicted_top']} measured "
                   f"{v['top_gap']:+.1%} vs the best measured ({v['measured_best']}) (target <= 10%)")
+            if "spearman_min" in v:
+                print(f"{shape} on each layout's fastest step: Spearman {v['spearman_min']:.2f}, top-1 gap "
+                      f"{v['top_gap_min']:+.1%}")
 
 
 def _save_models(args, tmp: str) -> dict[str, str]:

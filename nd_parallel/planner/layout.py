@@ -47,7 +47,18 @@ class Cluster:
     mem_bw: float = 3.35e12
     """Device memory bandwidth, bytes/s: elementwise ops, the softmax, the optimizer step."""
     latency: float = 20e-6
-    """Fixed cost of one collective or send, seconds."""
+    """Fixed cost of one collective, seconds."""
+    p2p_latency: float | None = None
+    """Fixed cost of one send/recv pair (a pipeline hop, a CP ring step), seconds; None = `latency`."""
+    op_overhead: float = 5e-6
+    """Seconds of host time per aten op (Python, dispatcher, kernel launch): small next to a large model's
+    kernels, the step's floor for a small one. The validation benchmark measures it on its ranks."""
+    dtensor_op_overhead: float = 50e-6
+    """Seconds per op on a DTensor (TP's sharded Linears; the optimizer step over FSDP/TP parameters): sharding
+    propagation on top of `op_overhead`."""
+    idle_speedup: float = 1.0
+    """How much faster a rank computes while the others idle (a pipeline bubble): 1 for a device per rank; about
+    ranks/cores when ranks share CPU cores (the validation runs measure it)."""
     device: str = "cuda"
     """"cuda" (foreach AdamW, FSDP prefetches one layer ahead) or "cpu" (gloo ranks: the validation runs)."""
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from ..pipeline.split import UnsplittableModel, model_parts
+from .ops import OpCounts, count_ops
 
 
 class PlannerError(ValueError):
@@ -71,6 +72,16 @@ class ModelSpec:
     """Elements of the largest parameter tensor (the single-tensor AdamW step's temporary)."""
     lora_linears: tuple[tuple[int, int], ...]
     """(in_features, out_features) of each Linear a LoRA adapter targets in one layer."""
+    layer_tensors: int = 0
+    """Parameter tensors of one decoder layer (the for-loop AdamW pays its ops per tensor)."""
+    rest_tensors: int = 0
+    """Parameter tensors outside the stack (embedding, final norm, untied head)."""
+    layer_colwise: int = 0
+    """Modules of one layer the TP plan shards colwise: each all-reduces its input gradient backward."""
+    layer_rowwise: int = 0
+    """Modules of one layer the TP plan shards rowwise: each all-reduces its output forward."""
+    ops: OpCounts = field(default_factory=OpCounts.none)
+    """Aten ops per layer and per step, counted on the model (see ops.py); all zero when not counted."""
 
     @property
     def total_params(self) -> int:
@@ -153,6 +164,9 @@ def _matches(plan: dict[str, str], name: str) -> str | None:
     return None
 
 
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "local_colwise", "local_rowwise")
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -177,10 +191,9 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     plan = _tp_plan(model)
     layer_prefix = f"{parts.layers_fqn}.0"
     layer = layers[0]
-    tp_params = sum(_numel(m) for n, m in layer.named_modules()
-                    if n and _matches(plan, f"{layer_prefix}.{n}") in ("colwise", "rowwise", "colwise_rep",
-                                                                       "rowwise_rep", "local_colwise",
-                                                                       "local_rowwise"))
+    styles = {n: _matches(plan, f"{layer_prefix}.{n}") for n, _ in layer.named_modules() if n}
+    tp_modules = [m for n, m in layer.named_modules() if n and styles[n] in TP_STYLES]
+    tp_params = sum(_numel(m) for m in tp_modules)
     matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
     mlp_linears = [m for n, m in layer.named_modules() if "mlp" in n.split(".")[0] and isinstance(m, nn.Linear)]
     heads = text.num_attention_heads
@@ -195,6 +208,17 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     post = sum(_numel(model.get_submodule(n)) for n in parts.post)
     if tied:  # named_children lists lm_head under `post` although its weight is the embedding's
         post -= head.weight.numel() if head_name in parts.post else 0
+    sharded_rest = [m for n, m in ((emb_name, emb), (head_name, head)) if m is not None and _matches(plan, n)]
+    try:
+        ops = count_ops(model.config, tp_modules, sharded_rest, lora_targets)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError) as err:
+        # a model that will not run on meta with one or two layers: plan without the per-op overhead (it
+        # matters for small models only) rather than refuse
+        import warnings
+
+        warnings.warn(f"planner: cannot count {type(model).__name__}'s ops on the meta device ({err}); the step "
+                      "time leaves out per-op overhead", stacklevel=2)
+        ops = OpCounts.none()
     ffn = getattr(text, "intermediate_size", None) or max((m.out_features for m in mlp_linears), default=4 * text.hidden_size)
     return ModelSpec(
         name=name or type(model).__name__, num_layers=parts.num_layers, hidden=text.hidden_size, heads=heads,
@@ -206,7 +230,12 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
         embed_tp_sharded=_matches(plan, emb_name) is not None,
         head_tp_sharded=head is not None and _matches(plan, head_name) is not None,
         largest_param=max(p.numel() for p in model.parameters()),
-        lora_linears=_lora_targets(layer, lora_targets))
+        lora_linears=_lora_targets(layer, lora_targets),
+        layer_tensors=len(list(layer.parameters())),
+        rest_tensors=sum(len(list(model.get_submodule(n).parameters())) for n in (*parts.pre, *parts.post))
+        - (1 if tied and head_name in parts.post else 0),
+        layer_colwise=sum(1 for v in styles.values() if v and "colwise" in v),
+        layer_rowwise=sum(1 for v in styles.values() if v and "rowwise" in v), ops=ops)
 
 
 def spec_from_path(model: str, lora_targets: tuple[str, ...] | None = None) -> ModelSpec:

@@ -5,8 +5,13 @@ compute    2 FLOPs per weight per token forward, twice that backward (once for a
            run at cluster.flops * cluster.efficiency.
 elementwise  norms, activations, the softmax and the loss move their saved bytes about three times (write in
            forward, read and write in backward) at cluster.mem_bw; recomputation moves them again.
-bubble     gpipe / 1f1b: p-1 micro-batch slots of the slowest rank; interleaved-1f1b: (p-1)/v; zero-bubble
+bubble     gpipe / 1f1b: one micro-batch of every rank but the slowest (fill and drain; p-1 slots when the stages
+           are balanced); interleaved-1f1b: divided by v; zero-bubble
            schedules fill most of it with weight-gradient work: a third of that (ZB-H1), a sixth for ZB-V.
+           Ranks that share cores (cluster.idle_speedup > 1) run the critical path (m micro-batches of the
+           slowest rank + fill) up to idle_speedup times faster while the others wait, but the step is never
+           shorter than every rank's work at the all-busy rate (the cores' throughput); with a device per rank
+           (idle_speedup 1) that bound never binds. The split between compute and bubble keeps their ratio.
 fsdp       per micro-batch, all-gather of the rank's layers forward and again backward (compute dtype) and a
            reduce-scatter of the trainable gradients (fp32): ~3x the parameters, times (n-1)/n.
 dp         HSDP: all-reduce of the sharded gradients across replicas, per micro-batch.
@@ -14,9 +19,18 @@ tp         two all-reduces of the hidden state per layer forward and two backwar
            plus the logits all-gather of the vocabulary-sharded head.
 cp         the ring passes K/V blocks cp-1 times per layer forward, and K/V plus dK/dV backward.
 pp         one activation forward and one gradient backward per micro-batch per stage boundary.
-Each collective also pays cluster.latency. A dimension talks at cluster.intra_bw when its group fits inside a
-node (mesh order pp, dp_replicate, dp_shard, cp, tp: tp is innermost) and at cluster.inter_bw otherwise.
-Communication is added, not overlapped: an upper bound that ranks layouts the way they are measured on gloo.
+dispatch   every aten op pays cluster.op_overhead of host time, every op on a DTensor cluster.dtensor_op_overhead;
+           the ops are counted on the model (ops.py): per layer forward + backward (with the LoRA wrappers when
+           an adapter is trained; full checkpointing runs the forward again), of which the TP-planned modules'
+           run on DTensors under TP; the CP ring's steps (the diagonal one, cp-1 off-diagonal ones); embedding,
+           head and loss on the last pipeline rank; AdamW per trainable tensor (for-loop on CPU: its ops run on
+           DTensors when FSDP, DDP-by-replicate or TP made the parameters DTensors) or once (foreach on CUDA).
+           On CUDA the host runs ahead of the device, so only host time beyond a rank's compute is added.
+Each collective also pays cluster.latency, each send/recv pair cluster.p2p_latency: TP all-reduces once per
+rowwise module forward and once per colwise module backward (each input gradient separately). A dimension talks at
+cluster.intra_bw when its group fits inside a node (mesh order pp, dp_replicate, dp_shard, cp, tp: tp is
+innermost) and at cluster.inter_bw otherwise. Communication and dispatch are added, not overlapped: an upper
+bound that ranks layouts the way they are measured on gloo.
 """
 
 from __future__ import annotations
@@ -62,6 +76,48 @@ def _rank_mb_seconds(spec: ModelSpec, train: Training, layout: Layout, cluster: 
     return flops / (cluster.flops * cluster.efficiency) + traffic / cluster.mem_bw
 
 
+def _dispatch_mb(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster, rank: int) -> float:
+    """Host seconds of the aten ops of one micro-batch forward and backward on pipeline rank `rank`."""
+    ops = spec.ops
+    counts = uniform_layers(spec.num_layers, layout.pp * layout.virtual)
+    stages = stages_of_rank(layout, rank)
+    n_layers = sum(counts[s] for s in stages)
+    if train.lora_rank is not None:
+        per_layer = ops.lora_layer_fwd + ops.lora_layer_bwd
+    else:
+        per_layer = ops.layer_fwd + ops.layer_bwd
+    if layout.checkpointing == "full":  # the layer's forward runs again before its backward
+        per_layer += ops.lora_layer_fwd if train.lora_rank is not None else ops.layer_fwd
+    dtensor = ops.tp_layer if layout.tp > 1 else 0
+    if layout.cp > 1:
+        per_layer += ops.ring_diagonal + (layout.cp - 1) * ops.ring_off_diagonal
+    plain, dt = n_layers * (per_layer - dtensor), n_layers * dtensor
+    if layout.pp * layout.virtual - 1 in stages:
+        rest_dt = ops.tp_rest if layout.tp > 1 else 0
+        plain += ops.rest_fwd + ops.rest_bwd - rest_dt
+        dt += rest_dt
+    return plain * cluster.op_overhead + dt * cluster.dtensor_op_overhead
+
+
+def _optimizer_dispatch(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> float:
+    """Host seconds of the AdamW step's ops on the rank with the most trainable tensors."""
+    ops = spec.ops
+    if cluster.device != "cpu":  # foreach: a fixed number of ops over the whole list
+        return ops.adam_foreach * cluster.op_overhead
+    counts = uniform_layers(spec.num_layers, layout.pp * layout.virtual)
+    tensors = 0
+    for r in range(layout.pp):
+        stages = stages_of_rank(layout, r)
+        n_layers = sum(counts[s] for s in stages)
+        if train.lora_rank is not None:
+            tensors = max(tensors, n_layers * 2 * len(spec.lora_linears))  # A and B per target
+        else:  # the embedding, final norm and head: counted on every rank (an upper bound for pp > 1)
+            tensors = max(tensors, n_layers * spec.layer_tensors + spec.rest_tensors)
+    distributed = layout.fsdp or layout.dp_replicate > 1 or layout.tp > 1  # parameters are DTensors
+    per_op = cluster.dtensor_op_overhead if distributed else cluster.op_overhead
+    return tensors * (ops.adam_tensor * per_op + ops.adam_scalar * cluster.op_overhead)
+
+
 def _allreduce(nbytes: float, n: int, bw: float, latency: float) -> float:
     return 2 * (n - 1) / n * nbytes / bw + latency if n > 1 else 0.0
 
@@ -74,12 +130,21 @@ def _gather(nbytes: float, n: int, bw: float, latency: float) -> float:
 def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds per optimizer step, by component (they sum to the step time)."""
     p, m, lat = layout.pp, layout.microbatches, cluster.latency
+    p2p = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
     b = train.compute_bytes
     per_rank = [_rank_mb_seconds(spec, train, layout, cluster, r) for r in range(p)]
     slowest = max(per_rank)
     out = {"compute": m * slowest, "bubble": 0.0}
     if p > 1:
-        out["bubble"] = (p - 1) / layout.virtual * BUBBLE_SLOTS[layout.schedule] * slowest
+        # fill and drain pass through every other rank once: their micro-batch times, not p-1 of the slowest
+        # (equal for balanced stages; the last stage's head and loss make it slower than the rest)
+        fill = (sum(per_rank) - slowest) / layout.virtual * BUBBLE_SLOTS[layout.schedule]
+        # ranks sharing cores (idle_speedup > 1): a waiting rank leaves its share to the busy ones, so the
+        # critical path runs up to idle_speedup times faster, but never faster than the cores get through every
+        # rank's work (the mean at the all-busy rate); with a device per rank this is m * slowest + fill
+        critical = (m * slowest + fill) / cluster.idle_speedup
+        out["compute"] = max(critical, m * sum(per_rank) / p) * m * slowest / (m * slowest + fill)
+        out["bubble"] = max(critical, m * sum(per_rank) / p) - out["compute"]
     tokens = layout.micro_batch * train.seq_len / layout.cp
     counts = uniform_layers(spec.num_layers, p * layout.virtual)
     n_layers = max(sum(counts[s] for s in stages_of_rank(layout, r)) for r in range(p))
@@ -98,17 +163,31 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     if layout.tp > 1:
         bw = _bandwidth(layout, cluster, "tp")
         hidden = b * tokens * spec.hidden
-        per_mb = n_layers * 4 * _allreduce(hidden, layout.tp, bw, lat) + _allreduce(hidden, layout.tp, bw, lat)
-        if spec.head_tp_sharded:  # logits gathered forward, split (free) backward
-            per_mb += _gather(b * tokens * spec.vocab, layout.tp, bw, lat)
+        # rowwise modules all-reduce their output forward, colwise ones their input gradient backward (q, k and v
+        # each their own); a plan without the counts (a hand-made spec) keeps the classic two + two per layer
+        per_layer = (spec.layer_colwise + spec.layer_rowwise) or 4
+        per_mb = (n_layers * per_layer + spec.embed_tp_sharded) * _allreduce(hidden, layout.tp, bw, lat)
+        if spec.head_tp_sharded:  # logits gathered forward, the head's input gradient all-reduced backward
+            per_mb += _gather(b * tokens * spec.vocab, layout.tp, bw, lat) + _allreduce(hidden, layout.tp, bw, lat)
         out["tp"] = m * per_mb
     if layout.cp > 1:
         bw = _bandwidth(layout, cluster, "cp")
         block = b * tokens * 2 * spec.kv_dim / layout.tp  # this rank's k and v
-        out["cp"] = m * n_layers * 3 * (layout.cp - 1) * (block / bw + lat)
+        # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops (the last one home)
+        out["cp"] = m * n_layers * (3 * (layout.cp - 1) * block / bw + (3 * layout.cp - 2) * p2p)
     if p > 1:
         bw = _bandwidth(layout, cluster, "pp")
-        hop = b * tokens * spec.hidden / layout.tp / bw + lat
+        hop = b * tokens * spec.hidden / layout.tp / bw + p2p
         out["pp"] = 2 * (m + p - 1) * hop * layout.virtual
-    out["optimizer"] = 28 * trainable / (layout.shard if layout.fsdp else 1) / cluster.mem_bw
+    out["optimizer"] = (28 * trainable / (layout.shard if layout.fsdp else 1) / cluster.mem_bw
+                        + _optimizer_dispatch(spec, train, layout, cluster))
+    host = [_dispatch_mb(spec, train, layout, cluster, r) for r in range(p)]
+    if cluster.device != "cpu":  # the host queues kernels ahead of the device: only host time beyond it shows
+        host = [max(0.0, h - c) for h, c in zip(host, per_rank)]
+    out["dispatch"] = m * max(host)
+    if p > 1:  # host time fills and drains the pipeline too
+        host_fill = (sum(host) - max(host)) / layout.virtual * BUBBLE_SLOTS[layout.schedule]
+        critical = (out["dispatch"] + host_fill) / cluster.idle_speedup
+        total = max(critical, m * sum(host) / p)
+        out["bubble"] += total - out["dispatch"]
     return out

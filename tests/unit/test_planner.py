@@ -207,6 +207,83 @@ def test_pipeline_stage_zero_is_the_busiest_and_keeps_grads(llama):
     assert first.parts["grads"] > 0  # backward of earlier micro-batches ran before the peak
 
 
+# ------------------------------------------------------------------------------------------------- time
+def test_op_counts_come_from_the_model(llama):
+    """Per-layer op counts are run on the meta model, not tabled: one Llama layer is q k v o gate up down (5 colwise,
+    2 rowwise), 9 parameter tensors; LoRA's wrappers add ops; the ring's own-shard step plans three blocks."""
+    from nd_parallel.planner.ops import _module_ops
+
+    ops = llama.ops
+    assert (llama.layer_colwise, llama.layer_rowwise, llama.layer_tensors, llama.rest_tensors) == (5, 2, 9, 3)
+    assert ops.layer_fwd > 0 and ops.layer_bwd > ops.layer_fwd  # backward dispatches more than forward
+    assert ops.lora_layer_fwd > ops.layer_fwd and ops.lora_layer_bwd > ops.layer_bwd
+    assert ops.tp_layer == 7 * _module_ops(torch.nn.Linear(4, 4, bias=False, device="meta"))
+    assert ops.ring_diagonal > ops.ring_off_diagonal > 0
+    assert ops.adam_tensor == 8  # lerp/mul/addcmul on the moments, sqrt/div/add, the decay and the update
+    qwen = spec_of("qwen3")
+    assert qwen.ops.layer_fwd > spec_of("llama").ops.layer_fwd  # q/k norms run ops of their own
+
+
+def _overhead_only(**kw):
+    """A cluster where only the term under test costs anything."""
+    base = dict(intra_bw=1e30, inter_bw=1e30, flops=1e30, efficiency=1.0, mem_bw=1e30, latency=0.0, op_overhead=0.0,
+                dtensor_op_overhead=0.0, device="cpu")
+    return Cluster(1, 4, 10**15, **{**base, **kw})
+
+
+def test_dispatch_terms_on_known_cases(llama):
+    from nd_parallel.planner import step_time
+
+    ops, L, train = llama.ops, 4, Training(seq_len=64, global_batch=4, dtype="fp32")
+    plain = _overhead_only(op_overhead=1.0)
+    single = step_time(llama, train, Layout(1, 1, 1, 1, 1, micro_batch=4), plain)
+    assert single["dispatch"] == L * (ops.layer_fwd + ops.layer_bwd) + ops.rest_fwd + ops.rest_bwd
+    tensors = L * 9 + 3  # plain parameters: every AdamW op at op_overhead
+    assert single["optimizer"] == pytest.approx(tensors * (ops.adam_tensor + ops.adam_scalar))
+    ckpt = step_time(llama, train, Layout(1, 1, 1, 1, 1, micro_batch=4, checkpointing="full"), plain)
+    assert ckpt["dispatch"] - single["dispatch"] == L * ops.layer_fwd  # the forward runs again
+    cp = step_time(llama, train, Layout(1, 1, 1, 4, 1, micro_batch=4), plain)
+    assert cp["dispatch"] - single["dispatch"] == L * (ops.ring_diagonal + 3 * ops.ring_off_diagonal)
+    dtensor = _overhead_only(dtensor_op_overhead=1.0)
+    tp = step_time(llama, train, Layout(1, 2, 2, 1, 1, micro_batch=2), dtensor)
+    assert tp["dispatch"] == L * ops.tp_layer + ops.tp_rest  # the sharded Linears, embedding and head
+    assert tp["optimizer"] == tensors * ops.adam_tensor  # FSDP x TP parameters are DTensors
+    lora = step_time(llama, Training(seq_len=64, global_batch=4, dtype="fp32", lora_rank=8),
+                     Layout(1, 1, 1, 1, 1, micro_batch=4), plain)
+    assert lora["optimizer"] == pytest.approx(L * 2 * 7 * (ops.adam_tensor + ops.adam_scalar))  # A and B only
+
+
+def test_collective_counts_on_known_cases(llama):
+    """With one second per collective: TP all-reduces per rowwise module forward and per colwise module backward,
+    plus the vocabulary-parallel embedding, the head's input gradient and the logits all-gather: 4 x 7 + 3 = 31,
+    the 30 all-reduces and 1 all-gather a real fsdp2 x tp2 step of this model dispatches. The CP ring's 3cp-2
+    send/recv pairs per layer; the pipeline's hops."""
+    from nd_parallel.planner import step_time
+
+    train, slow = Training(seq_len=64, global_batch=4, dtype="fp32"), _overhead_only(latency=1.0, p2p_latency=1.0)
+    assert step_time(llama, train, Layout(1, 2, 2, 1, 1, micro_batch=2), slow)["tp"] == pytest.approx(31)
+    assert step_time(llama, train, Layout(1, 1, 1, 4, 1, micro_batch=4), slow)["cp"] == pytest.approx(4 * 10)
+    pp = step_time(llama, train, Layout(1, 1, 1, 1, 4, micro_batch=1, microbatches=4, schedule="1f1b"), slow)
+    assert pp["pp"] == pytest.approx(2 * (4 + 3))
+
+
+def test_bubble_is_the_other_stages_fill_and_drain(llama):
+    """The last stage carries the head and loss: the bubble is one micro-batch of each other stage, not p-1 of the
+    slowest; ranks that share cores run it idle_speedup times faster."""
+    from nd_parallel.planner import step_time
+    from nd_parallel.planner.timing import _rank_mb_seconds
+
+    train = Training(seq_len=64, global_batch=4, dtype="fp32")
+    lay = Layout(1, 1, 1, 1, 4, micro_batch=1, microbatches=4, schedule="1f1b")
+    cpu = Cluster(1, 4, 10**15, flops=1e9, efficiency=1.0, device="cpu", op_overhead=0.0, dtensor_op_overhead=0.0)
+    per_rank = [_rank_mb_seconds(llama, train, lay, cpu, r) for r in range(4)]
+    assert per_rank[3] == max(per_rank) > per_rank[0]
+    assert step_time(llama, train, lay, cpu)["bubble"] == pytest.approx(sum(per_rank[:3]))
+    shared = Cluster(1, 4, 10**15, flops=1e9, efficiency=1.0, device="cpu", op_overhead=0.0,
+                     dtensor_op_overhead=0.0, idle_speedup=2.0)
+    assert step_time(llama, train, lay, shared)["bubble"] == pytest.approx(sum(per_rank[:3]) / 2)
+
+
 # ------------------------------------------------------------------------------------------------- search
 def test_json_has_the_contract_shape(llama):
     result = search(llama, Training(seq_len=256, global_batch=8), BIG)
