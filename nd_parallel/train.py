@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from nd_parallel.config import ParallelismConfig
+from nd_parallel.data_pipeline.sources import DatasetSpec  # noqa: F401 (examples/train.py builds samples with it)
 
 LOG_FILE = "train_log.jsonl"
 
