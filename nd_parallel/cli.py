@@ -75,7 +75,13 @@ def choose_ranks(config: ParallelismConfig, nproc: int | None, force_cpu: bool, 
     return config, nproc, "cpu"
 
 
-def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float) -> dict | None:
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0; e.g. --max-restarts 3")
+    return int(text)
+
+
+def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float, max_restarts: int = 0) -> dict | None:
     """Every rank's results (rank 0's file), or None on the other ranks of an outer launcher."""
     import json
 
@@ -93,7 +99,7 @@ def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float) -> d
         env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONWARNINGS="ignore")
     if device == "cpu" and torch.cuda.is_available():
         env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true")
-    launch(train.__file__, nproc, [str(tmp / "job.json")], timeout=timeout, env=env)
+    launch(train.__file__, nproc, [str(tmp / "job.json")], timeout=timeout, env=env, max_restarts=max_restarts)
     return torch.load(job["results"], weights_only=True)
 
 
@@ -228,7 +234,7 @@ def cmd_train(args) -> int:
                   f"{cfg.sequence_len} tokens ({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "
                   f"{config.describe()}")
         start = time.perf_counter()
-        results = _run_job(job, nproc, device, tmp, args.timeout)
+        results = _run_job(job, nproc, device, tmp, args.timeout, args.max_restarts)
     if results is None:
         return 0
     saved = sorted(p.name for p in Path(cfg.output_dir).iterdir())
@@ -300,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     train = sub.add_parser("train", help="train from an Axolotl YAML file (transformers.Trainer + nd_parallel)")
     train.add_argument("config", help="Axolotl YAML: base_model, datasets, ... and the parallel sizes")
+    train.add_argument("--max-restarts", type=_count, default=0,
+                       help="after a rank fails, restart every rank up to N times from the latest complete "
+                            "checkpoint (torchrun's elastic agent; needs save_steps or saves_per_epoch) [0]")
     train.set_defaults(func=cmd_train)
     for cmd in (demo, train):
         cmd.add_argument("--nproc", type=int, help="number of ranks (default: what the layout needs)")

@@ -102,6 +102,10 @@ def adopt(trainer, plugin) -> None:
                      ("_load_from_checkpoint", _nothing)):
         setattr(trainer, name, types.MethodType(fn, trainer))
     trainer.nd_parallel = plugin
+    if plugin.config.save_on_signal:  # a checkpoint after the step in which SIGTERM/SIGINT came (fault/)
+        from .fault.trainer_hook import PreemptionCallback
+
+        trainer.add_callback(PreemptionCallback(plugin))
 
 
 def _nothing(trainer, *args, **kwargs) -> None:

@@ -80,12 +80,13 @@ def _sigterm_unwinds():
 
 
 def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 600, env: dict | None = None,
-           capture: bool = False, stop_grace: float = 25) -> subprocess.CompletedProcess:
+           capture: bool = False, stop_grace: float = 25, max_restarts: int = 0) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nprocs`` local ranks (gloo on CPU: one thread per rank); raise on failure or timeout.
 
     SIGTERM or SIGINT (Ctrl-C) to this process, or the timeout, stops every rank and dataloader worker within
-    ``stop_grace`` seconds (``_stop``) before the exception propagates."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+    ``stop_grace`` seconds (``_stop``) before the exception propagates. ``max_restarts``: torchrun's elastic agent
+    starts every rank again after one fails, up to that many times (the ranks then resume from a checkpoint)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not _has_cuda():

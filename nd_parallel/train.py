@@ -135,10 +135,15 @@ def _run_train(job: dict) -> dict:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from nd_parallel.data_pipeline import Collator, load_prepared
+    from nd_parallel.fault.resume import account as account_for_resume
+    from nd_parallel.fault.resume import choose as choose_checkpoint
+    from nd_parallel.fault.resume import init_restarted_process_group
     from nd_parallel.plugins.trainer import NDParallelCallback
     from nd_parallel.train_callbacks import ProgressAndLog
 
     t = job["train"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
+    init_restarted_process_group(restart)  # a restarted attempt must not read the dead one's addresses
     train_ds, eval_ds, tokenizer = load_prepared(job["prepared"])
     layout = NDParallelCallback(ParallelismConfig(**job["layout"]))  # before the Trainer builds its Accelerator
     model = _model(t, tokenizer)
@@ -149,7 +154,13 @@ def _run_train(job: dict) -> dict:
                       callbacks=[layout])
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
-    resume = t.get("resume_from_checkpoint")
+    # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete
+    # checkpoint (nd_parallel/fault/resume.py).
+    resume = choose_checkpoint(t.get("resume_from_checkpoint"), t["output_dir"], restart)
+    if trainer.is_world_process_zero():
+        note = account_for_resume(resume, Path(t["output_dir"]) / LOG_FILE, restart)  # the log back to its step
+        if note:
+            print(note, flush=True)
     trainer.add_callback(ProgressAndLog(t["output_dir"], t.get("logging_steps") or 1, job["name"],
                                         append=bool(resume)))
     trainer.train(resume_from_checkpoint=resume)

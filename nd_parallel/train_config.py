@@ -133,7 +133,8 @@ class TrainConfig:
     save_strategy: str | None = None
     save_total_limit: int | None = None
     resume_from_checkpoint: str | None = None
-    """A checkpoint-N folder written by an earlier run (sharded; loads under another layout too)."""
+    """A checkpoint-N folder written by an earlier run (sharded; loads under another layout too), or "auto": the latest
+    complete checkpoint-N under output_dir, a fresh start when there is none (nd_parallel/fault/resume.py)."""
     # --- layout
     parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The layout: built from the parallel keys (PARALLEL_KEYS, fsdp_config) of the same file."""
@@ -306,6 +307,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
             train[key] = _check_value(path, key, train[key])
     for key in ("base_model", "base_model_config", "tokenizer_config", "lora_model_dir", "output_dir",
                 "dataset_prepared_path", "resume_from_checkpoint"):
-        if isinstance(train.get(key), str):  # relative paths start at the working directory, as in Axolotl
+        if isinstance(train.get(key), str) and not (key == "resume_from_checkpoint" and train[key] == "auto"):
+            # relative paths start at the working directory, as in Axolotl
             train[key] = os.path.abspath(os.path.expanduser(train[key]))
     return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)))

@@ -65,9 +65,10 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
         raise ConfigError(f"{path}: gradient_accumulation_steps={cfg.gradient_accumulation_steps} with "
                           "pp_backend='deepspeed': the pipeline already splits each step into micro-batches; set "
                           "gradient_accumulation_steps: 1 and raise pp_microbatches, or use pp_backend='torch'")
-    if cfg.resume_from_checkpoint and not os.path.isdir(cfg.resume_from_checkpoint):
-        raise ConfigError(f"{path}: resume_from_checkpoint={cfg.resume_from_checkpoint!r} is not a directory; "
-                          f"point it at a checkpoint-N folder under {cfg.output_dir}")
+    resume = cfg.resume_from_checkpoint
+    if resume and resume != "auto" and not os.path.isdir(resume):
+        raise ConfigError(f"{path}: resume_from_checkpoint={resume!r} is not a directory; point it at a "
+                          f"checkpoint-N folder under {cfg.output_dir}, or write 'auto' for the latest complete one")
 
 
 def build_job(path, cfg: TrainConfig, layout, workdir: str, quiet: bool = True) -> tuple[dict, object]:

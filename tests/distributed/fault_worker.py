@@ -91,9 +91,30 @@ def nonfinite(batch, step):
     event("step", step=step, applied=not unchanged, skipped=optimizer.step_was_skipped)
 
 
+def async_roundtrip(batch, step):
+    """Step 2: async save, two more steps change every weight, then load_state must give back the saved ones."""
+    global saved
+    if step == 2:
+        saved = [p.detach().to_local().clone() for p in model.parameters()]
+        accelerator.save_state(os.path.join(out_dir, "ckpt_async"))
+        event("async-returned", published=os.path.exists(os.path.join(out_dir, "ckpt_async", "nd_parallel.json")))
+    if step == 5:
+        accelerator.load_state(os.path.join(out_dir, "ckpt_async"))
+        equal = all(torch.equal(a, p.detach().to_local()) for a, p in zip(saved, model.parameters()))
+        event("async-loaded", equal=equal)
+        return "stop"
+    train_step(batch)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 step = 0
 for batch in loader:
     step += 1
+    if mode == "async" and async_roundtrip(batch, step) is not None:
+        break
+    if mode == "async":
+        continue
     if mode == "nonfinite":
         if nonfinite(batch, step) is not None:
             break

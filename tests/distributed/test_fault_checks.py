@@ -46,3 +46,14 @@ def test_checkpoint_with_nan_is_refused_on_every_rank(tiny_models, tmp_path):
     for e in refused:
         assert e["type"] == "NonFiniteError" and not e["published"]
         assert "rank 0 holds a non-finite value in model.layers.1.mlp.up_proj.weight" in e["message"], e["message"]
+
+
+def test_async_save_publishes_in_the_background_and_loads_back(tiny_models, tmp_path):
+    from nd_parallel.launch import launch
+
+    launch("tests/distributed/fault_worker.py", 2, ["async", tiny_models["llama"], str(tmp_path),
+                                                  json.dumps({"layout": {"async_save": True}})], timeout=180)
+    loaded = [e for e in events(tmp_path) if e["event"] == "async-loaded"]
+    assert sorted(e["rank"] for e in loaded) == [0, 1] and all(e["equal"] for e in loaded), events(tmp_path)
+    assert (tmp_path / "ckpt_async" / "nd_parallel.json").is_file()
+    assert not list(tmp_path.glob(".ckpt_async*"))  # nothing incomplete left beside it
