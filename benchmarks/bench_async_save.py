@@ -106,7 +106,8 @@ def worker(args) -> None:
     if dist.get_rank() == 0:
         size = sum(p.stat().st_size for p in Path(args.out_dir, "ckpt_0").rglob("*") if p.is_file())
         Path(args.result).write_text(json.dumps({"ranks": gathered, "checkpoint_bytes": size,
-                                                 "n_params": sum(p.numel() for p in model.parameters())}))  # DTensor: global
+                                                 # DTensor.numel(): the global size
+                                                 "n_params": sum(p.numel() for p in model.parameters())}))
 
 
 def report(result: dict, args) -> str:

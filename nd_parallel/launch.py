@@ -1,4 +1,4 @@
-"""Start N local ranks of a Python script with torchrun, with a wall-clock limit and signal handling that end them all."""
+"""Start N local ranks of a Python script with torchrun; a wall-clock limit and SIGTERM/SIGINT end them all."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def launch(script: str, nprocs: int, args: list[str] = (), *, timeout: float = 6
     SIGTERM or SIGINT (Ctrl-C) to this process, or the timeout, stops every rank and dataloader worker within
     ``stop_grace`` seconds (``_stop``) before the exception propagates. ``max_restarts``: torchrun's elastic agent
     starts every rank again after one fails, up to that many times (the ranks then resume from a checkpoint)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--max-restarts={max_restarts}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+           f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not _has_cuda():
         full_env["ACCELERATE_USE_CPU"] = "true"  # Accelerator() on a CPU-only machine then uses gloo ranks

@@ -85,7 +85,7 @@ def check(fields: dict[str, object], group=None) -> None:
             continue
         values = [None] * dist.get_world_size(group)  # every rank takes this branch: the hashes are the same
         dist.all_gather_object(values, fields[name], group=group)
-        (first, ranks_a), (_, ranks_b) = sorted(holders.items(), key=lambda kv: kv[1][0])[:2]
+        (_, ranks_a), (_, ranks_b) = sorted(holders.items(), key=lambda kv: kv[1][0])[:2]
         raise AgreementError(
             f"ranks disagree on the {name}: ranks {_ranks(ranks_a)} vs ranks {_ranks(ranks_b)} "
             f"({_diff(values[ranks_a[0]], values[ranks_b[0]])}). Every rank must be started with the same YAML, "

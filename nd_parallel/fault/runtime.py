@@ -45,7 +45,11 @@ class FaultTolerance:
             atexit.register(_close_all)
         _live[:] = [self]  # only the latest: holding every plugin would keep their models alive
         if self.distributed and self.hang_timeout > 0:
-            self.watchdog = Watchdog(self.hang_timeout, {dist.group.WORLD.group_name: "world"}).start()
+            try:
+                self.watchdog = Watchdog(self.hang_timeout, {dist.group.WORLD.group_name: "world"}).start()
+            except Exception as err:  # a store without a second connection (e.g. file://): train without it
+                logger.warning("hang detection is off: the process group's store cannot open a second connection "
+                               "(%s); launch with torchrun (a TCP store) to have it", err)
 
     # ----------------------------------------------------------------------------------------- prepare
     def on_mesh(self, mesh) -> None:
@@ -105,12 +109,10 @@ class FaultTolerance:
 
     def before_save(self) -> None:
         """No checkpoint with a NaN/Inf: check this rank's model and optimizer state (one collective)."""
-        named = []
-        for model in self.plugin._models:
-            named += [(n, p) for n, p in model.named_parameters()]
+        named = [(n, p) for model in self.plugin._models for n, p in model.named_parameters()]
+        names = {id(p): n for n, p in named}
         for i, opt in enumerate(self.plugin.accelerator._optimizers):
             inner = getattr(opt, "optimizer", opt)
-            names = {id(p): n for model in self.plugin._models for n, p in model.named_parameters()}
             for p, state in inner.state.items():
                 named += [(f"optimizer {i} {k} of {names.get(id(p), '?')}", v) for k, v in state.items()
                           if isinstance(v, torch.Tensor) and v.ndim > 0]

@@ -67,7 +67,8 @@ def nonfinite(batch, step):
     With nan_save: a NaN in rank 0's weights at step 2, then save_state must be refused and nothing published."""
     if step == 2 and options.get("nan_save"):
         with torch.no_grad():
-            next(p for n, p in model.named_parameters() if n.endswith("layers.1.mlp.up_proj.weight")).to_local()[0, 0] = float("nan")
+            weight = dict(model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+            weight.to_local()[0, 0] = float("nan")
         try:
             accelerator.save_state(os.path.join(out_dir, "ckpt_nan"))
             event("saved-nan")

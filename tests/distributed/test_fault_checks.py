@@ -1,4 +1,4 @@
-"""Agreement at prepare and non-finite values, in real 2-rank launches (nd_parallel/fault/agreement.py, nonfinite.py)."""
+"""Agreement at prepare, non-finite values and async saves in real 2-rank launches (nd_parallel/fault/)."""
 
 import json
 

@@ -34,8 +34,8 @@ hang_timeout: {hang}
 """
 
 
-def _train(tmp_path: Path, data: dict, name: str, kill_at: int | None = None, hang: float = 0) -> tuple[subprocess.CompletedProcess,
-                                                                                        dict]:
+def _train(tmp_path: Path, data: dict, name: str, kill_at: int | None = None,
+           hang: float = 0) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / name
     cfg = tmp_path / f"{name}.yml"
     cfg.write_text(YAML.format(model=data["model"], text=data["text"], out=out, hang=hang))
