@@ -78,3 +78,36 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path):
     a = load_file(str(tmp_path / "uninterrupted" / "model.safetensors"))
     b = load_file(str(tmp_path / "restarted" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_with_save_on_signal_writes_a_trainer_checkpoint(tmp_path):
+    """SIGTERM to `nd-parallel train` (what SLURM sends before it kills): with save_on_signal the Trainer saves
+    checkpoint-<step> after the current step on every rank, and no process is left."""
+    from nd_parallel.fault.resume import complete_checkpoints
+
+    data = write_model_and_data(tmp_path, n=400)
+    out = tmp_path / "out"
+    cfg = tmp_path / "cfg.yml"
+    cfg.write_text(YAML.format(model=data["model"], text=data["text"], out=out, hang=0)
+                   .replace("max_steps: 30", "max_steps: 100000").replace("save_steps: 3", "save_steps: 100000")
+                   + "save_on_signal: true\n")
+    proc = subprocess.Popen([sys.executable, "-m", "nd_parallel.cli", "train", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 300
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 5):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    tree = descendants(proc.pid)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=60)[0]
+    took = time.time() - sent
+    while any(alive(p) for p in tree):
+        assert time.time() - sent < 30, [p for p in tree if alive(p)]
+        time.sleep(0.1)
+    saved = complete_checkpoints(out)
+    print(f"save_on_signal (Trainer): {saved[-1].name if saved else None} written, {len(tree)} processes gone "
+          f"{took:.1f} s after SIGTERM")
+    assert proc.returncode != 0 and took < 30, text[-3000:]
+    assert len(saved) == 1 and int(saved[0].name.split("-")[1]) >= 5, text[-3000:]
