@@ -48,7 +48,9 @@ def _train(tmp_path: Path, data: dict, name: str, kill_at: int | None = None,
         while not (log.is_file() and len(log.read_text().splitlines()) >= kill_at):
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.02)
-        ranks = sorted(p for p in descendants(proc.pid) if "train.py" in Path(f"/proc/{p}/cmdline").read_text())
+        cmdlines = {p: Path(f"/proc/{p}/cmdline").read_text() for p in descendants(proc.pid)}
+        ranks = sorted(p for p, cmd in cmdlines.items() if "train.py" in cmd and "torch.distributed.run" not in cmd)
+        assert len(ranks) == 2, cmdlines
         victim, other = ranks[-1], ranks[0]
         measured["killed_after_step"] = len(log.read_text().splitlines())
         t0 = time.time()
@@ -56,7 +58,14 @@ def _train(tmp_path: Path, data: dict, name: str, kill_at: int | None = None,
         os.kill(victim, signal.SIGKILL)
         while alive(other):
             time.sleep(0.05)
-        measured["other_rank_stopped_s"] = time.time() - t0
+        measured["other_rank_stopped_s"] = round(time.time() - t0, 2)
+        cut = False  # the restarted run cuts the log back to the checkpoint's step, then logs the next step
+        while proc.poll() is None and "restart_to_first_step_s" not in measured:
+            n = len(log.read_text().splitlines()) if log.is_file() else 0
+            cut = cut or n < measured["killed_after_step"]
+            if cut and n > 3:
+                measured["restart_to_first_step_s"] = round(time.time() - t0, 2)
+            time.sleep(0.02)
     text = proc.communicate(timeout=600)[0]
     return subprocess.CompletedProcess(proc.args, proc.returncode, text), measured
 
