@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .config import ConfigError, ParallelismConfig
+from .config import RUN_OPTIONS, ConfigError, ParallelismConfig
 from .train_config import TrainConfig, load_train_config, read_yaml_mapping  # noqa: F401 (public: tests, plan_cli)
 
 _TOKEN = re.compile(r"(ddp|fsdp|hsdp|tp|cp|pp)(\d*)(?:x(\d+))?")
@@ -203,7 +203,10 @@ def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool):
 
         nproc_auto = int(os.environ["WORLD_SIZE"]) if _inside_launched_rank() else nproc
         use_cuda = not cpu and torch.cuda.is_available()
-        cfg.parallel, _ = auto_train_layout(cfg, path, nproc_auto, "cuda" if use_cuda else "cpu")
+        planned, _ = auto_train_layout(cfg, path, nproc_auto, "cuda" if use_cuda else "cpu")
+        # the planner chooses the layout; how the run reacts to faults stays what the YAML says
+        cfg.parallel = dataclasses.replace(planned, **{k: getattr(cfg.parallel, k) for k in RUN_OPTIONS})
+        cfg.parallel.plan = planned.plan
     config, nproc, device = choose_ranks(cfg.parallel, nproc, cpu, cpu_fallback=False)
     if cfg.lr_scaling:
         from .plan_cli import scaled_learning_rate

@@ -32,6 +32,8 @@ PP_BACKENDS = ("torch", "deepspeed")
 PP_BALANCE_NAMES = ("uniform", "profile")
 CP_BACKENDS = ("ring", "ulysses", "torch")
 AC_MODES = (None, "full", "selective")
+# How a run reacts to faults, not part of the layout: `layout: auto` keeps them from the YAML.
+RUN_OPTIONS = ("hang_timeout", "save_on_signal", "skip_nonfinite_steps", "async_save")
 AXOLOTL_ALIASES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
                    "pipeline_parallel_size": "pp_size"}
 # What the neutral value of each counted field means; quoted as the fix in error messages.

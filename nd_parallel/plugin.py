@@ -2,7 +2,8 @@
 
 ``attach`` replaces a handful of the accelerator's methods on that one instance (prepare*, clip_grad_norm_,
 get_state_dict) so that an unchanged Accelerate loop trains under any layout. The plugin only orchestrates:
-the work is done by parallelize.py (model), data.py (dataloader), loss.py and grad_norm.py.
+the work is done by parallelize.py (model), data.py (dataloader), loss.py and grad_norm.py, and around every run by
+fault/ (hang watchdog, agreement at prepare, non-finite values, preemption signals, the order a process ends in).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from .axolotl_keys import REFUSED, is_default, is_logging, map_fsdp
 from .axolotl_schema import AXOLOTL_DEFAULTS
-from .config import PARALLEL_KEYS, ConfigError, ParallelismConfig
+from .config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 from .data_pipeline.sources import DatasetSpec, dataset_specs, suggest
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
@@ -288,7 +288,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     if d.get("layout", "auto") != "auto" or d.get("lr_scaling", "linear") not in ("linear", "sqrt"):
         raise ConfigError(f"{path}: layout={d.get('layout')!r} / lr_scaling={d.get('lr_scaling')!r}; "
                           "write 'layout: auto' (or leave it out) and 'lr_scaling: linear' or 'sqrt'")
-    if d.get("layout") == "auto" and set(d) & (PARALLEL_KEYS - {"pp_backend", "cp_backend", "tp_plan"}):
+    if d.get("layout") == "auto" and set(d) & (PARALLEL_KEYS - {"pp_backend", "cp_backend", "tp_plan", *RUN_OPTIONS}):
         raise ConfigError(f"{path}: layout: auto chooses the layout, but the file also sets "
                           f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     for key in ("base_model", "output_dir", "lr_scheduler", "base_model_config", "tokenizer_config"):

@@ -205,3 +205,43 @@ def test_process_tree_with_and_without_psutil(monkeypatch):
         assert not proctree.alive(grandchild)
     finally:
         child.kill()
+
+
+# ---------------------------------------------------------------------------------------- train YAML keys
+def test_train_yaml_takes_the_fault_keys_also_with_layout_auto(tmp_path):
+    from nd_parallel.train_config import load_train_config
+
+    (tmp_path / "d.jsonl").write_text('{"text": "a b c"}\n')
+    base = (f"base_model: {tmp_path}\ndatasets:\n  - path: {tmp_path / 'd.jsonl'}\n    type: completion\n"
+            "hang_timeout: 30\nsave_on_signal: true\nskip_nonfinite_steps: 2\nasync_save: true\n"
+            "resume_from_checkpoint: auto\n")
+    for extra in ("dp_shard_size: 2\n", "layout: auto\n"):
+        path = tmp_path / "cfg.yml"
+        path.write_text(base + extra)
+        cfg = load_train_config(path)
+        p = cfg.parallel
+        assert (p.hang_timeout, p.save_on_signal, p.skip_nonfinite_steps, p.async_save) == (30, True, 2, True)
+        assert cfg.resume_from_checkpoint == "auto"
+
+
+def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
+    from nd_parallel.fault.resume import account, choose, complete_checkpoints
+
+    for step, parts in ((2, ("state", "trainer")), (4, ("state", "trainer")), (6, ("state",)), (8, ())):
+        d = tmp_path / f"checkpoint-{step}"
+        (d / "nd_parallel").mkdir(parents=True)
+        if "state" in parts:
+            (d / "nd_parallel" / "nd_parallel.json").write_text("{}")
+        if "trainer" in parts:
+            (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+    assert choose("auto", tmp_path, restart=0).endswith("checkpoint-4")
+    assert choose("/some/path", tmp_path, restart=0) == "/some/path"
+    assert choose("/some/path", tmp_path, restart=1).endswith("checkpoint-4")  # a restart takes the newest
+    assert choose("auto", tmp_path / "empty", restart=0) is None  # nothing yet: a fresh start
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    note = account(str(tmp_path / "checkpoint-4"), log, restart=1)
+    assert note.endswith("restart 1: resuming from checkpoint-4 (step 4); the interrupted run had logged step 7: "
+                         "3 steps lost")
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3, 4]
