@@ -63,8 +63,8 @@ def init_restarted_process_group(restart: int, environ=None) -> None:
     torch 2.13's elastic agent keeps one TCPStore across attempts and its workers no longer prefix their keys per
     attempt ("a new TCPStore for every retry", rendezvous.py), so a restarted rank that reaches
     ``init_process_group`` first reads its peer's gloo address from the dead attempt and fails with "Gloo
-    connectFullMesh failed ... Connection refused" (measured: 3 of 4 restarts). Called at the rank's entry point,
-    before the Trainer's Accelerate state creates the group, which then finds it initialized and uses it.
+    connectFullMesh failed ... Connection refused" (5 of 6 restarts here; 0 of 5 since). Called at the rank's
+    entry point, before the Trainer's Accelerate state creates the group, which then finds it and uses it.
     """
     import os
     from datetime import timedelta
