@@ -33,11 +33,11 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .config import check_activation_checkpointing
 from .fsdp import decoder_layers
 
 logger = logging.getLogger(__name__)
 
-MODES = (None, "full", "selective")
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")  # names across families/versions
 
 _aten = torch.ops.aten
@@ -104,18 +104,12 @@ def _hf_checkpointing_on(model: nn.Module) -> bool:
     return False
 
 
-def check_mode(mode) -> None:
-    if mode not in MODES:
-        raise ValueError(f"activation_checkpointing={mode!r} is not a mode; use None (off), 'full' (recompute each "
-                         "decoder layer) or 'selective' (keep matmul/attention outputs, recompute the rest)")
-
-
 def requested_mode(model: nn.Module, configured: str | None) -> str | None:
     """The mode to apply: the config's, else "full" when the user called ``model.gradient_checkpointing_enable()``.
 
     transformers' own flag is turned off here, so a layer is never checkpointed twice.
     """
-    check_mode(configured)
+    check_activation_checkpointing(configured)
     hf_on = _hf_checkpointing_on(model)
     if hf_on:
         for name in ("activation_checkpointing_disable", "gradient_checkpointing_disable"):  # renamed in 5.2x
@@ -139,7 +133,7 @@ def apply_activation_checkpointing(part: nn.Module, mode: str | None, every: int
     """Checkpoint every ``every``-th decoder layer that ``part`` owns, in place. Returns how many were wrapped."""
     if mode is None:
         return 0
-    check_mode(mode)
+    check_activation_checkpointing(mode)
     wrapped = 0
     for i, layer in enumerate(decoder_layers(part)):
         if i % every or isinstance(layer.forward, CheckpointedForward):

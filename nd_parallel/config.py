@@ -139,10 +139,7 @@ class ParallelismConfig:
         if not isinstance(self.cp_load_balance, bool):
             raise ConfigTypeError(f"cp_load_balance={self.cp_load_balance!r} is "
                                   f"{_kind(self.cp_load_balance)}; write True or False")
-        if self.activation_checkpointing not in AC_MODES:
-            raise ConfigError(f"activation_checkpointing={self.activation_checkpointing!r} is not a mode; use None "
-                              "(off), 'full' (recompute each decoder layer) or 'selective' (keep matmul and "
-                              "attention outputs, recompute the rest)")
+        check_activation_checkpointing(self.activation_checkpointing)
         self.activation_checkpointing_every = _check_count("activation_checkpointing_every",
                                                            self.activation_checkpointing_every)
         self._check_fault_options()
@@ -371,6 +368,13 @@ class ParallelismConfig:
 PARALLEL_KEYS: frozenset[str] = frozenset(
     {f.name for f in dataclasses.fields(ParallelismConfig)} | set(AXOLOTL_ALIASES))
 """Every key from_dict accepts: the field names plus Axolotl's aliases."""
+
+
+def check_activation_checkpointing(mode: Any) -> None:
+    """One of AC_MODES, or a ConfigError naming the value and the modes."""
+    if mode not in AC_MODES:
+        raise ConfigError(f"activation_checkpointing={mode!r} is not a mode; use None (off), 'full' (recompute "
+                          "each decoder layer) or 'selective' (keep matmul and attention outputs, recompute the rest)")
 
 
 def _kind(value: Any) -> str:

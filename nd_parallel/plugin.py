@@ -19,6 +19,8 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from . import adapters
+from .activation_checkpoint import check_model as check_ac_model
+from .activation_checkpoint import requested_mode as activation_checkpointing_mode
 from .checkpoint.dataloader import track as track_position
 from .config import ParallelismConfig
 from .context_parallel.hf import SequenceSharding, use_cp_attention
@@ -29,10 +31,7 @@ from .fault.runtime import FaultTolerance
 from .grad_norm import clip_grad_norm_
 from .loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards, reads_whole_model
 from .loss import GlobalTokenLoss
-from .mesh import ParallelMesh, build_mesh
-from .activation_checkpoint import check_model as check_ac_model
-from .activation_checkpoint import requested_mode as activation_checkpointing_mode
-from .mesh import single_process_group
+from .mesh import ParallelMesh, build_mesh, single_process_group
 from .parallelize import check_not_parallelized, parallelize
 from .precision import check_mixed_precision, policy_for
 from .pipeline import validate_pipeline
@@ -223,23 +222,19 @@ class NDParallelPlugin:
             adapters.broadcast_trainable(lazy.initial_tensors() if lazy is not None else
                                          [p for p in model.parameters() if p.requires_grad], device)
         moved = dict(model.named_parameters(remove_duplicate=False))
-        if self.accelerator.num_processes == 1:
-            # Nothing to split, but the same recipe as every layout: checkpointing per layer, and bf16 through a
-            # one-rank fully_shard (which needs a one-rank process group and mesh).
-            mesh = None
-            if self.mp_policy is not None:
-                single_process_group(device.type)
-                mesh = self.mesh
-            model = parallelize(model, mesh, device, activation_checkpointing=ac_mode, mp_policy=self.mp_policy)
-        else:
+        # One process has nothing to split but follows the same recipe as every layout: checkpointing per layer,
+        # and bf16 through a one-rank fully_shard (which needs a one-rank process group and mesh).
+        distributed = self.accelerator.num_processes > 1
+        if not distributed and self.mp_policy is not None:
+            single_process_group(device.type)
+        mesh = self.mesh if distributed or self.mp_policy is not None else None
+        if self.config.cp_size > 1:
+            use_cp_attention(model)  # before any split: pipeline stages share the model's config
+        model = parallelize(model, mesh, device, activation_checkpointing=ac_mode, mp_policy=self.mp_policy)
+        if distributed and self.config.pp_size == 1:
+            model._nd_parallel_loss = GlobalTokenLoss(model, mesh["dp_cp"].get_group(), mesh["dp"].get_group())
             if self.config.cp_size > 1:
-                use_cp_attention(model)  # before any split: pipeline stages share the model's config
-            model = parallelize(model, self.mesh, device, activation_checkpointing=ac_mode, mp_policy=self.mp_policy)
-            if self.config.pp_size == 1:
-                mesh = self.mesh
-                model._nd_parallel_loss = GlobalTokenLoss(model, mesh["dp_cp"].get_group(), mesh["dp"].get_group())
-                if self.config.cp_size > 1:
-                    model._nd_parallel_cp = SequenceSharding(model, cp_runtime(mesh, self.config))
+                model._nd_parallel_cp = SequenceSharding(model, cp_runtime(mesh, self.config))
         if lazy is not None:  # split and sharded on meta: now each rank reads only the pieces it owns
             self.loading_report = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
         # Old parameter -> the parameter(s) now standing for it on this rank (none: another stage owns it;
