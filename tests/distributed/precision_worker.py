@@ -18,6 +18,7 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
+from nd_parallel.activation_checkpoint import CheckpointedForward
 from nd_parallel.parity import Recipe, _collate, train_layout
 from nd_parallel.toy import make_samples
 
@@ -78,7 +79,9 @@ def main(out_dir: str, spec_path: str) -> None:
             model.gradient_checkpointing_enable()
         result = train_layout(accelerator, plugin, spec["models"][run["model"]], samples, recipe,
                               eval_samples=evals, model=model)
-        saved = {"losses": result.losses, "norms": result.norms, "state": result.state,
+        # How many decoder layers this rank runs under activation checkpointing: a no-op would also be bit-equal.
+        checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in result.model.modules())
+        saved = {"losses": result.losses, "norms": result.norms, "state": result.state, "checkpointed": checkpointed,
                  "evals": [(e.step, e.losses, e.logits) for e in result.evals]}
         if run.get("generate"):
             prompts = [{"input_ids": s["input_ids"][:8]} for s in make_samples(n=8, seq_len=8, seed=3, min_len=8)]

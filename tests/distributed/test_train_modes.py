@@ -198,6 +198,8 @@ def test_activation_checkpointing_changes_no_number(mode, layout, family, result
     print(f"ac {mode} {layout} {family}: loss_rel {loss_rel:.1e} norm_rel {norm_rel:.1e} params {params:.1e} "
           f"bit-equal {exact}")
     assert loss_rel <= AC_TOL and norm_rel <= AC_TOL and params <= AC_TOL
+    # ... and checkpointing was on: rank 0's decoder layers (or its pipeline stage's) run checkpointed
+    assert base["checkpointed"] == 0 and run["checkpointed"] >= 1, (base["checkpointed"], run["checkpointed"])
 
 
 EVAL_CASES = [(n, f) for f in EVAL_FAMILIES for n in EVAL_LAYOUTS]
