@@ -51,8 +51,9 @@ def _inside_launched_rank() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def choose_ranks(config: ParallelismConfig, nproc: int | None, force_cpu: bool, cpu_fallback: bool):
-    """(resolved config, number of ranks, "cuda" or "cpu"). GPUs are used when there are enough of them."""
+def choose_ranks(config: ParallelismConfig, nproc: int | None, force_cpu: bool, cpu_fallback: bool, nnodes: int = 1):
+    """(resolved config, number of ranks, "cuda" or "cpu"). GPUs are used when there are enough of them on this node
+    for its share of the ranks (``nproc / nnodes``; every node runs as many)."""
     import torch
 
     if _inside_launched_rank():
@@ -60,18 +61,22 @@ def choose_ranks(config: ParallelismConfig, nproc: int | None, force_cpu: bool, 
     gpus = 0 if force_cpu else torch.cuda.device_count()
     if nproc is None and config.dp_shard_size == -1:  # "the ranks left over": every GPU, or 2-way on CPU
         others = math.prod(size for dim, size in config.sizes.items() if dim != "dp_shard")
-        if not (gpus and gpus % others == 0) and not cpu_fallback:
+        if not (gpus and gpus * nnodes % others == 0) and not cpu_fallback:
             raise ConfigError("dp_shard_size=-1 takes the ranks left over, so give the number of ranks: --nproc N")
-        nproc = gpus if gpus and gpus % others == 0 else 2 * others
+        nproc = gpus * nnodes if gpus and gpus * nnodes % others == 0 else 2 * others
     nproc = nproc if nproc is not None else config.world_size
     config = config.resolve(nproc)
-    if gpus >= nproc:
+    if nproc % nnodes:
+        raise ConfigError(f"{nproc} ranks do not split over --nnodes {nnodes}: every node starts the same number "
+                          f"of ranks; use a layout (or --nproc) that is a multiple of {nnodes}")
+    local = nproc // nnodes
+    if gpus >= local:
         return config, nproc, "cuda"
     if gpus and not cpu_fallback:
-        raise ConfigError(f"the layout needs {nproc} ranks but {gpus} GPU(s) are visible; pass --cpu to train on "
-                          "CPU ranks, or use a layout with fewer ranks")
+        raise ConfigError(f"the layout needs {local} ranks per node but {gpus} GPU(s) are visible; pass --cpu to "
+                          "train on CPU ranks, or use a layout with fewer ranks")
     if gpus:
-        print(f"nd-parallel: {nproc} ranks do not fit {gpus} GPU(s); running on CPU ranks (gloo)")
+        print(f"nd-parallel: {local} ranks do not fit {gpus} GPU(s); running on CPU ranks (gloo)")
     return config, nproc, "cpu"
 
 
@@ -81,8 +86,16 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float, max_restarts: int = 0) -> dict | None:
-    """Every rank's results (rank 0's file), or None on the other ranks of an outer launcher."""
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1; e.g. --nnodes 2")
+    return int(text)
+
+
+def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float, max_restarts: int = 0,
+             nodes=None) -> dict | None:
+    """Every rank's results (rank 0's file), or None where rank 0 is not here: on the other ranks of an outer
+    launcher, and on the other nodes of a multi-node launch (``nodes``: ``launch.Nodes``)."""
     import json
 
     import torch
@@ -99,7 +112,12 @@ def _run_job(job: dict, nproc: int, device: str, tmp: Path, timeout: float, max_
         env.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONWARNINGS="ignore")
     if device == "cpu" and torch.cuda.is_available():
         env.update(CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="true")
-    launch(train.__file__, nproc, [str(tmp / "job.json")], timeout=timeout, env=env, max_restarts=max_restarts)
+    local = nproc // nodes.nnodes if nodes else nproc
+    launch(train.__file__, local, [str(tmp / "job.json")], timeout=timeout, env=env, max_restarts=max_restarts,
+           nodes=nodes)
+    if nodes and not os.path.isfile(job["results"]):  # rank 0 ran on another node, which prints the summary
+        print(f"nd-parallel: this node's {local} ranks finished; the node that held rank 0 prints the summary")
+        return None
     return torch.load(job["results"], weights_only=True)
 
 
@@ -194,7 +212,7 @@ def cmd_demo(args) -> int:
     return 0 if worst <= TOLERANCE else 1
 
 
-def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool):
+def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool, nnodes: int = 1):
     """(resolved layout, number of ranks, device) of a loaded train config; applies layout: auto and lr_scaling."""
     import torch
 
@@ -207,13 +225,34 @@ def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool):
         # the planner chooses the layout; how the run reacts to faults stays what the YAML says
         cfg.parallel = dataclasses.replace(planned, **{k: getattr(cfg.parallel, k) for k in RUN_OPTIONS})
         cfg.parallel.plan = planned.plan
-    config, nproc, device = choose_ranks(cfg.parallel, nproc, cpu, cpu_fallback=False)
+    config, nproc, device = choose_ranks(cfg.parallel, nproc, cpu, cpu_fallback=False, nnodes=nnodes)
     if cfg.lr_scaling:
         from .plan_cli import scaled_learning_rate
 
         cfg.learning_rate = scaled_learning_rate(
             cfg, path, cfg.micro_batch_size * cfg.gradient_accumulation_steps * config.dp_size)
     return config, nproc, device
+
+
+def _nodes(args):
+    """``launch.Nodes`` for ``--nnodes N --rdzv-endpoint HOST:PORT`` (one `nd-parallel train` per node), else None."""
+    from .launch import Nodes
+
+    if args.nnodes == 1:
+        if args.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint} without --nnodes: give the number of nodes, "
+                              "e.g. --nnodes 2 (one nd-parallel train per node, each with the same endpoint)")
+        return None
+    if not args.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the same on every node: the "
+                          "address of the node that serves the rendezvous (e.g. the first node of the allocation)")
+    if _inside_launched_rank():
+        raise ConfigError("--nnodes under an outer launcher: the launcher (torchrun, srun) already starts the "
+                          "nodes; leave --nnodes and --rdzv-endpoint out")
+    try:
+        return Nodes(args.nnodes, args.rdzv_endpoint, args.rdzv_id, args.rdzv_conf)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _main_rank() -> bool:
@@ -225,7 +264,8 @@ def cmd_train(args) -> int:
     from .train_job import build_job
 
     cfg = load_train_config(args.config)
-    config, nproc, device = resolve_train_layout(cfg, args.config, args.nproc, args.cpu)
+    nodes = _nodes(args)
+    config, nproc, device = resolve_train_layout(cfg, args.config, args.nproc, args.cpu, nodes.nnodes if nodes else 1)
     if cfg.unused and _main_rank():
         print(f"nd-parallel train: accepted, not used: {', '.join(cfg.unused)}")
     with tempfile.TemporaryDirectory(prefix="nd-parallel-train-") as tmp:
@@ -237,7 +277,7 @@ def cmd_train(args) -> int:
                   f"{cfg.sequence_len} tokens ({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "
                   f"{config.describe()}")
         start = time.perf_counter()
-        results = _run_job(job, nproc, device, tmp, args.timeout, args.max_restarts)
+        results = _run_job(job, nproc, device, tmp, args.timeout, args.max_restarts, nodes)
     if results is None:
         return 0
     saved = sorted(p.name for p in Path(cfg.output_dir).iterdir())
@@ -312,6 +352,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=_count, default=0,
                        help="after a rank fails, restart every rank up to N times from the latest complete "
                             "checkpoint (torchrun's elastic agent; needs save_steps or saves_per_epoch) [0]")
+    train.add_argument("--nnodes", type=_positive, default=1,
+                       help="run one nd-parallel train per node, this many nodes; --nproc is the total [1]")
+    train.add_argument("--rdzv-endpoint", help="HOST:PORT where the nodes meet (torchrun's c10d rendezvous, served "
+                                               "by the node HOST names); the same on every node")
+    train.add_argument("--rdzv-id", default="nd_parallel", help="the job's id, the same on every node [nd_parallel]")
+    train.add_argument("--rdzv-conf", help="torchrun's --rdzv-conf, e.g. keep_alive_interval=1,join_timeout=900")
     train.set_defaults(func=cmd_train)
     for cmd in (demo, train):
         cmd.add_argument("--nproc", type=int, help="number of ranks (default: what the layout needs)")

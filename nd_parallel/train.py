@@ -136,10 +136,10 @@ def _run_train(job: dict) -> dict:
 
     from nd_parallel.data_pipeline import Collator, load_prepared
     from nd_parallel.fault.resume import account as account_for_resume
-    from nd_parallel.fault.resume import choose as choose_checkpoint
+    from nd_parallel.fault.resume import agreed as agreed_checkpoint
     from nd_parallel.fault.resume import init_restarted_process_group
     from nd_parallel.plugins.trainer import NDParallelCallback
-    from nd_parallel.train_callbacks import ProgressAndLog
+    from nd_parallel.train_callbacks import ProgressAndLog, user_callbacks
 
     t = job["train"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -151,12 +151,12 @@ def _run_train(job: dict) -> dict:
     args = TrainingArguments(**job["trainer_args"])
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                       data_collator=Collator(tokenizer.pad_token_id, pad_to), processing_class=tokenizer,
-                      callbacks=[layout])
+                      callbacks=[layout, *user_callbacks(t.get("trainer_callbacks"))])  # theirs see on_init_end too
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
     # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete
-    # checkpoint (nd_parallel/fault/resume.py).
-    resume = choose_checkpoint(t.get("resume_from_checkpoint"), t["output_dir"], restart)
+    # checkpoint, the same one on every rank (nd_parallel/fault/resume.py).
+    resume, restart = agreed_checkpoint(t.get("resume_from_checkpoint"), t["output_dir"], restart)
     if trainer.is_world_process_zero():
         note = account_for_resume(resume, Path(t["output_dir"]) / LOG_FILE, restart)  # the log back to its step
         if note:

@@ -61,3 +61,46 @@ class ProgressAndLog(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+# ------------------------------------------------------------------------------------ trainer_callbacks: key
+def callback_specs(path, value) -> list[dict]:
+    """The YAML's ``trainer_callbacks``, checked in the parent before any rank starts: each entry is ``module:Class``
+    or ``{class: module:Class, args: {...}}``, and the class must import and be a ``TrainerCallback``."""
+    from .config import ConfigError
+
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: trainer_callbacks={value!r}; write a list, e.g. [mypkg.callbacks:MyCallback]")
+    specs = []
+    for entry in value:
+        spec = {"class": entry, "args": {}} if isinstance(entry, str) else entry
+        if not (isinstance(spec, dict) and isinstance(spec.get("class"), str) and set(spec) <= {"class", "args"}
+                and isinstance(spec.get("args", {}), dict)):
+            raise ConfigError(f"{path}: trainer_callbacks entry {entry!r}; write 'module:Class' or "
+                              "{class: 'module:Class', args: {name: value}}")
+        _import_callback(path, spec["class"])
+        specs.append({"class": spec["class"], "args": dict(spec.get("args", {}))})
+    return specs
+
+
+def _import_callback(path, name: str):
+    import importlib
+
+    from .config import ConfigError
+
+    module, _, attr = name.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{path}: trainer_callbacks: cannot import {name!r} ({err}); write 'module:Class' with "
+                          "the module importable on every node") from None
+    if not (isinstance(cls, type) and issubclass(cls, TrainerCallback)):
+        raise ConfigError(f"{path}: trainer_callbacks: {name!r} is not a transformers.TrainerCallback class")
+    return cls
+
+
+def user_callbacks(specs: list[dict] | None) -> list[TrainerCallback]:
+    """On every rank: the YAML's trainer_callbacks, built with their args."""
+    return [_import_callback("trainer_callbacks", s["class"])(**s["args"]) for s in specs or []]

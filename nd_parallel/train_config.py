@@ -135,6 +135,9 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None
     """A checkpoint-N folder written by an earlier run (sharded; loads under another layout too), or "auto": the latest
     complete checkpoint-N under output_dir, a fresh start when there is none (nd_parallel/fault/resume.py)."""
+    trainer_callbacks: list[dict] = field(default_factory=list)
+    """Extra ``transformers.TrainerCallback`` classes, built on every rank: ``module:Class`` or ``{class: module:Class,
+    args: {...}}`` (train_callbacks.callback_specs). Default none."""
     # --- layout
     parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The layout: built from the parallel keys (PARALLEL_KEYS, fsdp_config) of the same file."""
@@ -310,4 +313,8 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         if isinstance(train.get(key), str) and not (key == "resume_from_checkpoint" and train[key] == "auto"):
             # relative paths start at the working directory, as in Axolotl
             train[key] = os.path.abspath(os.path.expanduser(train[key]))
+    if "trainer_callbacks" in train:
+        from .train_callbacks import callback_specs
+
+        train["trainer_callbacks"] = callback_specs(path, train["trainer_callbacks"])
     return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)))

@@ -204,6 +204,7 @@ def _marker(plugin, hf, loaders: list[dict]) -> dict:
     return {
         "format": FORMAT, "version": VERSION, "kind": "training_state",
         "step": int(accelerator.step), "optimizer_step": _optimizer_step(accelerator),
+        "steps_taken": plugin.fault.step,  # optimizer steps, skipped ones included: what fault reports count from
         "save_iteration": int(accelerator.project_configuration.iteration),
         "world_size": int(accelerator.num_processes), "layout": sizes, "dp_size": _dp_size(plugin),
         "model_class": type(hf).__name__.removeprefix("FSDP"), "tied": tied_keys(hf),
@@ -328,6 +329,7 @@ def load_state(plugin, input_dir=None, **unused) -> dict:
         _set_rng(rng, f.metadata())
     _restore_loaders(plugin, marker, rng)
     accelerator.step = int(marker.get("step", 0))
+    plugin.fault.resumed_at(int(marker.get("steps_taken") or marker.get("optimizer_step") or 0))
     logger.info("loaded checkpoint %s (saved under %s on %d ranks)", path, marker.get("layout"), saved_world)
     return marker
 

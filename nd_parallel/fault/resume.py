@@ -37,28 +37,57 @@ def choose(resume: str | None, output_dir, restart: int) -> str | None:
     return resume
 
 
+def agreed(resume: str | None, output_dir, restart: int) -> tuple[str | None, int]:
+    """``choose`` on every rank, the same answer everywhere: (checkpoint, restart) after the process group exists.
+
+    Ranks on different nodes can disagree without this: a replacement node's agent counts its attempts from 0
+    while the survivors' count on (so only they would take the latest checkpoint when resume is not ``auto``), and
+    a shared file system may show one node a checkpoint another does not see yet. The attempt is the highest
+    count of any rank; a checkpoint some ranks do not see stops the run on every rank, naming it.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return choose(resume, output_dir, restart), restart
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, restart)
+    restart = max(counts)
+    choices = [None] * dist.get_world_size()
+    dist.all_gather_object(choices, choose(resume, output_dir, restart))
+    if len(set(choices)) > 1:
+        seen = {c: [r for r, x in enumerate(choices) if x == c] for c in dict.fromkeys(choices)}
+        raise RuntimeError("ranks would resume from different checkpoints: " + "; ".join(
+            f"ranks {','.join(map(str, ranks))}: {c or 'none (a fresh start)'}" for c, ranks in seen.items())
+            + f". Every node must see the same {output_dir} (a shared file system, synced before the restart)")
+    return choices[0], restart
+
+
 def _step_of(checkpoint: str) -> int:
     return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
 
 
 def account(checkpoint: str | None, log_file, restart: int) -> str | None:
-    """On the main process of a resumed run: cut ``log_file`` (one JSON object per step) back to the checkpoint's
-    step, so that the log stays one line per step, and say how many logged steps the interruption cost."""
+    """On the main process of a resumed or restarted run: cut ``log_file`` (one JSON object per step) back to the
+    step it continues from, so that the log stays one line per step, and say how many logged steps were lost."""
     log = Path(log_file)
-    if checkpoint is None or not log.is_file():
+    if checkpoint is None and restart == 0:
         return None
-    step = _step_of(checkpoint)
-    lines = log.read_text(encoding="utf-8").splitlines()
+    step = _step_of(checkpoint) if checkpoint else 0
+    lines = log.read_text(encoding="utf-8").splitlines() if log.is_file() else []  # none: failed before step 1
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     reached = max((json.loads(line).get("step", 0) for line in lines if line.strip()), default=step)
     log.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     what = f"restart {restart}" if restart else "resume"
-    return (f"[nd_parallel] {what}: resuming from {Path(checkpoint).name} (step {step}); the interrupted run had "
-            f"logged step {reached}: {max(0, reached - step)} steps lost")
+    start = (f"resuming from {Path(checkpoint).name} (step {step})" if checkpoint else
+             "no complete checkpoint yet, starting again (step 0)")
+    return f"[nd_parallel] {what}: {start}; the interrupted run had logged step {reached}: {reached - step} steps lost"
 
 
 def init_restarted_process_group(restart: int, environ=None) -> None:
     """On a restart (attempt ``restart`` > 0), create the default process group over a store prefix of its own.
+
+    For one node (torchrun's static rendezvous), whose one agent counts every attempt. Several nodes launched by
+    ``launch.Nodes`` do not share the store between attempts, so nothing is left to prefix there.
 
     torch 2.13's elastic agent keeps one TCPStore across attempts and its workers no longer prefix their keys per
     attempt ("a new TCPStore for every retry", rendezvous.py), so a restarted rank that reaches
@@ -74,6 +103,8 @@ def init_restarted_process_group(restart: int, environ=None) -> None:
 
     env = os.environ if environ is None else environ
     if restart <= 0 or dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # every attempt has a fresh store of its own (launch.Nodes)
         return
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(minutes=30))

@@ -92,6 +92,12 @@ class FaultTolerance:
 
         optimizer.step = types.MethodType(step, optimizer)
 
+    def resumed_at(self, step: int) -> None:
+        """A checkpoint was loaded: reports name the run's step, not the count since this process started."""
+        self.step = step
+        if self.watchdog is not None:
+            self.watchdog.step = step
+
     # -------------------------------------------------------------------------------------------- step
     def observe_loss(self, loss) -> None:
         if isinstance(loss, torch.Tensor):
