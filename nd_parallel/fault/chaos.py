@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,7 +241,11 @@ class ChaosRun:
         bad = [f.kind for f in faults if f.kind not in KINDS or (f.kind == "node" and self.nnodes < 2)]
         if bad:
             raise ValueError(f"faults {bad}: use {', '.join(KINDS)} ('node' needs nnodes >= 2)")
-        self.ctl.mkdir(parents=True, exist_ok=True)
+        if any(a.kind == b.kind == "mismatch" for a, b in zip(faults, faults[1:])):
+            raise ValueError("two mismatches in a row: a mismatch strikes when the attempt after the previous fault "
+                             "starts, so put another fault between them")
+        shutil.rmtree(self.ctl, ignore_errors=True)  # a fault armed or fired by an earlier run must not count
+        self.ctl.mkdir(parents=True)
         cfg, out = self._write_yaml(name, faults=True)
         self._log = out / "train_log.jsonl"
         self.nodes, measured, start = [], [], time.time()
@@ -325,6 +330,18 @@ class ChaosRun:
         source, resumed_step, _, t_step = self._restarted(i, t_detect)
         return Measured("mismatch", event["step"], event["rank"], round(t_detect - event["t"], 2),
                         round(t_step - event["t"], 2), 0, source, resumed_step, report)
+
+
+def random_faults(rng, count: int, steps: int, kinds=("kill", "save", "stop", "nan", "mismatch")) -> list[Fault]:
+    """``count`` faults of ``kinds`` at random steps spread over ``steps`` (each kind about as often; never two
+    mismatches in a row), the victims left to the harness's generator."""
+    drawn = [kinds[i % len(kinds)] for i in range(count)]
+    for _ in range(1000):  # a shuffle with no two mismatches in a row (most are; always possible below 1/2)
+        rng.shuffle(drawn)
+        if not any(a == b == "mismatch" for a, b in zip(drawn, drawn[1:])):
+            break
+    at = sorted(rng.sample(range(2, max(3, steps - 2)), count))
+    return [Fault(kind, step) for kind, step in zip(drawn, at)]
 
 
 def to_json(result: ChaosResult) -> dict:
