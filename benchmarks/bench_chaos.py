@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", help="also write the measurements to this file")
+    p.add_argument("--log", help="also write every line the nodes printed to this file")
     args = p.parse_args(argv)
     if args.quick:
         args.faults, args.steps = 4, 40
@@ -68,7 +69,11 @@ def main(argv=None) -> int:
               f"{nproc} ranks on {args.nnodes} node(s), hang_timeout {args.hang_timeout:g} s: "
               + ", ".join(f"{f.kind}@{f.step}" for f in faults), flush=True)
         reference = run.reference(nnodes=1)
-        result = run.run(faults)
+        try:
+            result = run.run(faults)
+        finally:
+            if args.log:
+                Path(args.log).write_text(run.output() + "\n", encoding="utf-8")
         ref_log = [json.loads(x) for x in (reference / "train_log.jsonl").read_text().splitlines()]
         a, b = load_file(str(reference / "model.safetensors")), load_file(str(root / "chaos" / "model.safetensors"))
         same_params = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

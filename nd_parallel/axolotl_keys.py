@@ -55,7 +55,6 @@ REFUSED = {
     "lisa_n_layers": "LISA is not implemented: use adapter: lora",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     "curriculum_sampling": "drop it (samples are shuffled)",
-    "auto_resume_from_checkpoints": "set resume_from_checkpoint: PATH (a checkpoint-N folder of output_dir)",
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 

@@ -230,4 +230,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":  # a launched rank: python nd_parallel/train.py JOB.json
+    from nd_parallel.fault.proctree import die_with_parent
+
+    die_with_parent()  # a rank never outlives torchrun's agent (a dead agent is a dead node)
     main(sys.argv[1])

@@ -280,6 +280,12 @@ def _layout(path, d: dict, environ) -> tuple[ParallelismConfig, list[str]]:
 def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     """Parse and check a training YAML (no file of the model or data is opened yet)."""
     data = read_yaml_mapping(path)
+    if data.get("auto_resume_from_checkpoints") is not None:  # Axolotl's switch for what "auto" does here
+        if not isinstance(data["auto_resume_from_checkpoints"], bool):
+            raise ConfigError(f"{path}: auto_resume_from_checkpoints={data['auto_resume_from_checkpoints']!r}; "
+                              "use true or false")
+        if data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
+            data["resume_from_checkpoint"] = "auto"
     d, unused, refused = _sort_keys(path, data)
     refused += _value_refusals(d)
     if refused:

@@ -118,8 +118,19 @@ class _Node:
         return found
 
     def kill(self) -> None:
-        """A node failure: every process of this node at once."""
+        """Every process of this node at once."""
         kill_all({self.proc.pid, *descendants(self.proc.pid)})
+
+    def kill_agent(self) -> int:
+        """A node failure as issue 13 states it: SIGKILL of the node's torchrun agent (its ranks must follow)."""
+        for pid in descendants(self.proc.pid):
+            try:
+                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+            except OSError:
+                continue
+        raise ChaosError(f"no torchrun agent under node process {self.proc.pid}")
 
     def finish(self, timeout: float) -> int:
         try:
@@ -169,7 +180,7 @@ class ChaosRun:
         if nnodes > 1 and not self.nodes:
             self._endpoint = f"127.0.0.1:{free_port()}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for _ in range(nnodes - len([n for n in self.nodes if n.proc.poll() is None])):
+        for _ in range(nnodes - len([n for n in self.nodes if not n.killed and n.proc.poll() is None])):
             self.nodes.append(_Node(self._command(cfg, max_restarts, nnodes), env, self.echo))
             time.sleep(0.5 if nnodes > 1 else 0)  # node 0 binds the rendezvous port first
 
@@ -225,9 +236,9 @@ class ChaosRun:
         return {e["id"]: e for e in map(json.loads, text.splitlines())}
 
     def _arm(self, fault_id: int, kind: str, rank: int, step: int) -> None:
-        tmp = self.ctl / f".{ARMED}.tmp"
+        tmp = self.ctl / f".armed-{fault_id}.tmp"
         tmp.write_text(json.dumps({"id": fault_id, "kind": kind, "rank": rank, "step": step}))
-        os.replace(tmp, self.ctl / ARMED)  # the ranks never read half a file
+        os.replace(tmp, self.ctl / ARMED.format(fault_id))  # the ranks never read half a file
 
     def _line(self, t: float, needle: str) -> tuple[float, str] | None:
         """The first line printed since ``t`` that holds ``needle``, from the needle on (a progress bar may share
@@ -293,16 +304,15 @@ class ChaosRun:
             if fault.kind == "node":  # victim: the index among the live nodes (0 serves the rendezvous)
                 node = [n for n in self.nodes if not n.killed][victim]
                 node.killed = True
-                node.kill()
+                node.kill_agent()
             else:
                 os.kill(before[victim][1], signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
         if fault.kind in _REPORT:
             t_detect, report = self._wait(f"the report of fault {i} ({fault.kind})",
                                           lambda: self._line(t0, _REPORT[fault.kind]))
-        if fault.kind == "node":
-            others = [pid for r, (i_node, pid) in before.items() if self.nodes[i_node] is not node]
-        else:
-            others = [pid for r, (_, pid) in before.items() if r != victim]
+        # every rank of the attempt, the killed node's included (none may outlive its agent), but for a stopped or
+        # killed victim rank
+        others = [pid for r, (_, pid) in before.items() if r != victim or fault.kind == "node"]
         t_gone = self._wait(f"every rank to stop after fault {i} ({fault.kind})",
                             lambda: not any(alive(p) for p in others) and time.time())
         if fault.kind not in _REPORT:

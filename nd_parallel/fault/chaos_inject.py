@@ -1,7 +1,7 @@
 """The in-rank half of the chaos test (chaos.py): faults that must strike inside a rank at a chosen point.
 
 ``ChaosInjector`` is a ``TrainerCallback`` that `nd-parallel train` builds on every rank from the YAML's
-``trainer_callbacks``. The harness arms one fault at a time by writing ``armed.json`` into ``dir``; the rank it
+``trainer_callbacks``. The harness arms a fault by writing ``armed-<id>.json`` into ``dir``; the rank it
 names fires it once (``fired-<id>`` is created exclusively, so a restarted attempt never fires it again) and
 appends an event with the wall-clock time to ``events.jsonl``, which the harness reads to time the detection:
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-ARMED = "armed.json"
+ARMED = "armed-{}.json"
 EVENTS = "events.jsonl"
 
 
@@ -44,14 +44,16 @@ class ChaosInjector(TrainerCallback):
 
     # ------------------------------------------------------------------------------------------ arming
     def _take(self, kind: str) -> dict | None:
-        """The armed fault of ``kind`` aimed at this rank, claimed (once, across attempts), or None."""
-        try:
-            fault = json.loads((self.dir / ARMED).read_text())
-        except (OSError, ValueError):  # nothing armed, or the harness is writing it: look again next time
-            return None
-        if fault.get("kind") != kind or fault.get("rank") != self.rank:
-            return None
-        return fault
+        """An armed, not yet fired fault of ``kind`` aimed at this rank, or None."""
+        for path in sorted(self.dir.glob(ARMED.format("*"))):
+            try:
+                fault = json.loads(path.read_text())
+            except (OSError, ValueError):  # gone or half-written meanwhile: look again next time
+                continue
+            if (fault.get("kind") == kind and fault.get("rank") == self.rank
+                    and not (self.dir / f"fired-{fault['id']}").exists()):
+                return fault
+        return None
 
     def _claim(self, fault: dict, **details) -> bool:
         try:
@@ -80,8 +82,7 @@ class ChaosInjector(TrainerCallback):
             self._hook.remove()
             self._hook = None
         fault = self._take("save")
-        if (fault is not None and control.should_save and state.global_step >= fault["step"]
-                and not (self.dir / f"fired-{fault['id']}").exists()):
+        if fault is not None and control.should_save and state.global_step >= fault["step"]:
             self._die_in_next_write(fault, state.global_step)
 
     def _die_in_next_write(self, fault: dict, step: int) -> None:

@@ -65,3 +65,21 @@ def kill_all(pids, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``). A rank calls it first thing,
+    so that killing torchrun's agent, as a failing node or an OOM killer does, never leaves its ranks training as
+    orphans; the agent's survivors on other nodes then see a node failure. A no-op elsewhere."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no libc symbol: keep the default (orphans are still ended by launch())
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -103,3 +103,13 @@ def test_chaos_fault_kinds_are_checked(tmp_path):
         ChaosRun({}, tmp_path, nproc=2).run([Fault("node")])
     with pytest.raises(ValueError, match="use kill, save, stop, nan, mismatch, node"):
         ChaosRun({}, tmp_path, nproc=2).run([Fault("meteor")])
+
+
+def test_axolotls_auto_resume_is_resume_auto(tmp_path, data):
+    assert load_train_config(_cfg(tmp_path, data, auto_resume_from_checkpoints=True)).resume_from_checkpoint == "auto"
+    assert load_train_config(_cfg(tmp_path, data, auto_resume_from_checkpoints=False)).resume_from_checkpoint is None
+    explicit = str(tmp_path / "out" / "checkpoint-4")
+    cfg = load_train_config(_cfg(tmp_path, data, auto_resume_from_checkpoints=True, resume_from_checkpoint=explicit))
+    assert cfg.resume_from_checkpoint == explicit  # an explicit checkpoint wins, as in Axolotl
+    with pytest.raises(ConfigError, match="auto_resume_from_checkpoints='yes'; use true or false"):
+        load_train_config(_cfg(tmp_path, data, auto_resume_from_checkpoints="yes"))
