@@ -187,7 +187,8 @@ class ChaosRun:
     def _wait_all(self, what: str) -> None:
         failed = [(i, n.finish(self.wait_s)) for i, n in enumerate(self.nodes) if not n.killed]
         if any(rc for _, rc in failed):
-            raise ChaosError(f"{what}: node(s) {[i for i, rc in failed if rc]} exited non-zero\n{self.output()[-6000:]}")
+            bad = [i for i, rc in failed if rc]
+            raise ChaosError(f"{what}: node(s) {bad} exited non-zero\n{self.output()[-6000:]}")
 
     def reference(self, name: str = "uninterrupted", nnodes: int | None = None) -> Path:
         """The run left alone (same YAML, no faults); returns its output_dir."""

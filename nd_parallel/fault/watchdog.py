@@ -15,6 +15,9 @@ The protocol, every ``beat`` seconds on each rank:
      something this rank did not), publish ``abort``, print the line, kill stopped ranks on this host (a stopped
      process runs no handler) and exit(1).
 So a hang is reported by every live rank at most ``hang_timeout`` after the last rank stopped making progress.
+Where the store lives in rank 0's process (several nodes: each attempt's store is served by its rank 0), a stopped
+rank 0 silences the store too; a rank that has waited for the threshold and whose store stopped answering then
+reports that (``_store_unreachable``), within about ``hang_timeout`` plus the store's own timeout.
 Only a rank that waits investigates, so a healthy step costs two small store operations per beat and no
 collective. A legitimately long wait (rank 0 writing a large file while the others sit in a barrier) counts as a
 hang once it exceeds ``hang_timeout``: choose it above the longest such wait, as with NCCL's timeout.
@@ -71,6 +74,8 @@ class Watchdog:
         self._count = 0
         self._key, self._since = None, time.monotonic()
         self._pending: tuple[float, dict] | None = None  # (when, first reading) of an investigation under way
+        self._store_down_since: float | None = None  # when the store last stopped answering
+        self._peers: dict[int, dict] | None = None  # every rank's first record (pid, host), read once all beat
         self.report: str | None = None
         self.on_report = None  # called with the line once it is printed (tests record when)
 
@@ -90,17 +95,26 @@ class Watchdog:
         while not self._stop.wait(self.beat):
             try:
                 self._tick()
+                self._store_down_since = None
             except Exception as err:  # a store hiccup must not end the thread: the next beat tries again
                 logger.debug("watchdog beat failed: %s", err)
+                self._store_unreachable(err)
 
     # -------------------------------------------------------------------------------------------- beat
-    def _tick(self) -> None:
-        now = time.monotonic()
+    def _where(self, now: float) -> tuple[Position, float]:
+        """Where the main thread stands, and how long it has waited in that same collective."""
         pos = position_of(self._main, self.names)
         if not pos.collective or pos.key != self._key:
             self._key, self._since, self._pending = pos.key, now, None
-        waited = now - self._since if pos.collective else 0.0
+        return pos, (now - self._since if pos.collective else 0.0)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        pos, waited = self._where(now)
         self._publish(pos, waited)
+        if self._peers is None and self._count > 2:  # once: where every rank runs, should the store go silent
+            records = self._records()
+            self._peers = records if len(records) == self.world else None
         if self._store.check(["abort"]):
             self._abort_from_peer(pos, waited)
         elif waited >= self.threshold:
@@ -128,13 +142,34 @@ class Watchdog:
         missing, stopped = _missing(self.rank, pos, first, second, now - started)
         line = (f"[nd_parallel] hang: rank {self.rank} at step {self.step} waits {pos.describe()} for {waited:.0f} s "
                 f"(hang_timeout={self.timeout:.0f}s); missing: {'; '.join(missing) or 'none (every rank waits here)'}")
-        self._store.set("abort", json.dumps({"by": self.rank, "missing": missing}))
+        # the stopped ranks' records go with the abort: a live rank on their host kills them (a real multi-node job)
+        self._store.set("abort", json.dumps({"by": self.rank, "missing": missing,
+                                             "stopped": [second.get(r, first.get(r)) for r in stopped]}))
         self._say(line)
         # Stay two beats so that live peers read "abort" and print their own line before the launcher, seeing this
         # rank exit, signals them.
         time.sleep(2 * self.beat)
         for peer in stopped:
             _kill_if_local(second.get(peer, first.get(peer)))
+        self._finish(line, printed=True)
+
+    def _store_unreachable(self, err: Exception) -> None:
+        """The store stopped answering. Under a launcher that serves it from rank 0's process (several nodes, each
+        attempt a fresh store), a stopped or dead rank 0 takes the store with it, and no heartbeat can be read: once
+        this rank has also waited in one collective for the threshold, report that and end the process."""
+        now = time.monotonic()
+        if self._store_down_since is None:
+            self._store_down_since = now
+        pos, waited = self._where(now)
+        down = now - self._store_down_since
+        if not pos.collective or waited < self.threshold or down < _INVESTIGATE_BEATS * self.beat:
+            return
+        line = (f"[nd_parallel] hang: rank {self.rank} at step {self.step} waits {pos.describe()} for {waited:.0f} s "
+                f"(hang_timeout={self.timeout:.0f}s); missing: every heartbeat, the store has not answered for "
+                f"{down:.0f} s ({type(err).__name__}): its host (rank 0, or torchrun's agent on the first node) is "
+                "stopped or dead")
+        self._say(line)
+        _kill_if_local((self._peers or {}).get(0))  # a stopped rank 0 runs no SIGTERM handler: its agent would wait
         self._finish(line, printed=True)
 
     def _abort_from_peer(self, pos: Position, waited: float) -> None:
@@ -144,7 +179,10 @@ class Watchdog:
         held = f" for {waited:.0f} s" if pos.collective else ""
         line = (f"[nd_parallel] hang reported by rank {info['by']}: rank {self.rank} at step {self.step} stands "
                 f"{pos.describe()}{held}; missing: {'; '.join(info['missing']) or 'none'}")
-        self._finish(line)
+        self._say(line)
+        for record in info.get("stopped", []):
+            _kill_if_local(record)
+        self._finish(line, printed=True)
 
     def _say(self, line: str) -> None:
         self.report = line
@@ -160,21 +198,30 @@ class Watchdog:
 
 
 def _missing(me: int, pos: Position, first: dict, second: dict, span: float) -> tuple[list[str], list[int]]:
-    """Describe every rank of the group this rank waits on that is not waiting in the same place."""
-    peers = [r for r in (pos.ranks or sorted(set(first) | set(second))) if r != me]
-    missing, stopped = [], []
+    """Describe every rank of the group this rank waits on that is not waiting in the same place, and every other
+    rank that stopped beating: with nested groups the peer this rank waits for may itself wait for a stopped rank
+    outside this group (HSDP: dp_replicate peers wait in dp_shard for the stopped one), the root of the hang."""
+    everyone = sorted(set(first) | set(second))
+    group = [r for r in (pos.ranks or everyone) if r != me]
+    peers = group + [r for r in everyone if r != me and r not in group]
+    stopped = [r for r in peers if r in first and r in second and first[r]["beat"] == second[r]["beat"]]
+    # a peer waiting in another collective: with a rank stopped it may be waiting on that one (nested groups)
+    elsewhere = ("perhaps on a stopped rank, or a collective only some ranks call" if stopped else
+                 "a collective only some ranks call")
+    missing = []
     for r in peers:
-        a, b = first.get(r), second.get(r)
-        if b is None:
-            missing.append(f"rank {r} (never started hang detection)")
-        elif a is not None and a["beat"] == b["beat"]:
+        b = second.get(r)
+        if r in stopped:
             missing.append(f"rank {r} (no heartbeat over the last {span:.1f} s: stopped or dead; its last one was "
                            f"at step {b['step']}, {b['where']})")
-            stopped.append(r)
+        elif r not in group:
+            continue
+        elif b is None:
+            missing.append(f"rank {r} (never started hang detection)")
         elif not b["in"]:
             missing.append(f"rank {r} (alive, step {b['step']}, {b['where']}: busy, e.g. an endless loop)")
         elif b["where"] != pos.describe():
-            missing.append(f"rank {r} (step {b['step']}, waits {b['where']}: a collective only some ranks call)")
+            missing.append(f"rank {r} (step {b['step']}, waits {b['where']}: {elsewhere})")
     return missing, stopped
 
 

@@ -65,17 +65,22 @@ def test_chaos_one_node_every_fault_kind(tmp_path):
     _assert_same_run(reference, result, tmp_path / "chaos", 40)
 
 
-def test_two_nodes_survive_a_node_failure(tmp_path):
-    """HSDP 2x2: dp_replicate across the two nodes, dp_shard inside each. The uninterrupted reference is one node with
-    4 ranks (the same mesh): the restarted two-node run must equal it bit for bit."""
+def test_two_nodes_survive_a_node_failure_and_a_stopped_store_host(tmp_path):
+    """HSDP 2x2: dp_replicate across the two nodes, dp_shard inside each. A node's torchrun agent is killed (its ranks
+    must follow) and a fresh node replaces it; then rank 0, whose process serves the attempt's store, is stopped,
+    which silences every heartbeat. The uninterrupted reference is one node with 4 ranks (the same mesh): the
+    restarted two-node run must equal it bit for bit."""
     data = write_model_and_data(tmp_path, n=400)
-    run = ChaosRun(_yaml(data, 24, dp_replicate_size=2, dp_shard_size=2), tmp_path, nproc=4, nnodes=2,
+    run = ChaosRun(_yaml(data, 30, dp_replicate_size=2, dp_shard_size=2), tmp_path, nproc=4, nnodes=2,
                    hang_timeout=HANG, seed=7)
     reference = run.reference(nnodes=1)
-    result = run.run([Fault("node", 6)])
+    result = run.run([Fault("node", 6), Fault("stop", 14, rank=0)])
     print(f"\nchaos, two nodes, HSDP 2x2 ({result.seconds:.0f} s):\n{result.table()}")
-    (node,) = result.measured
-    assert node.victim == 1 and node.detected_s < 10, node  # the ranks of the surviving node stop
+    node, stop = result.measured
+    assert node.victim == 1 and node.detected_s < 10, node  # every rank, the killed agent's too, gone
     assert node.resumed_from is not None and 0 < node.steps_lost <= SAVE_STEPS, node
     assert "the node that held rank 0 prints the summary" in result.output  # the other node's parent
-    _assert_same_run(reference, result, tmp_path / "chaos", 24)
+    # the store's own timeout (10 s) comes on top of hang_timeout when its host is the one stopped
+    assert stop.detected_s < HANG + 15 and "the store has not answered" in stop.report, stop
+    assert 0 < stop.steps_lost <= SAVE_STEPS, stop
+    _assert_same_run(reference, result, tmp_path / "chaos", 30)

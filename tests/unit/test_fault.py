@@ -245,3 +245,62 @@ def test_resume_auto_takes_the_latest_complete_checkpoint(tmp_path):
     assert note.endswith("restart 1: resuming from checkpoint-4 (step 4); the interrupted run had logged step 7: "
                          "3 steps lost")
     assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_store_that_stops_answering_is_reported_by_a_waiting_rank(monkeypatch):
+    """Several nodes: each attempt's store is served by rank 0's process, so a stopped rank 0 silences every
+    heartbeat. A rank waiting in a collective for the threshold then reports that and ends (watchdog.py)."""
+    from nd_parallel.fault import watchdog as wd
+
+    class Store:  # rank 1's view; rank 0 never beats here, so no record of it exists (and nothing is killed)
+        fail, data = False, {}
+
+        def _up(self):
+            if self.fail:
+                raise RuntimeError("Wait timeout")
+
+        def set(self, key, value):
+            self._up()
+            self.data[key] = value
+
+        def check(self, keys):
+            self._up()
+            return all(k in self.data for k in keys)
+
+        def multi_get(self, keys):
+            self._up()
+            return [self.data[k] for k in keys]
+
+    monkeypatch.setattr(wd.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(wd.dist, "get_world_size", lambda: 2)
+    waiting = Position("all_reduce", "dp_replicate", (0, 1), "loss.py:92 global_mean", ("k",))
+    monkeypatch.setattr(wd, "position_of", lambda ident, names: waiting)
+    exits, store = [], Store()
+    dog = wd.Watchdog(5, {}, store=store, exit_fn=exits.append)
+    dog.step = 41
+    dog.start()
+    store.fail = True
+    deadline = time.time() + 15
+    while not exits and time.time() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert exits == [1]
+    assert dog.report.startswith("[nd_parallel] hang: rank 1 at step 41 waits in all_reduce over dp_replicate")
+    assert "the store has not answered for" in dog.report and "(RuntimeError)" in dog.report
+    assert "rank 0, or torchrun's agent on the first node) is stopped or dead" in dog.report
+
+
+def test_a_stopped_rank_outside_the_waited_group_is_named_as_the_root():
+    """HSDP: rank 1 waits over dp_replicate with rank 3, which waits over dp_shard for rank 2, which is stopped.
+    Rank 1's report names rank 3 where it waits and rank 2 as stopped, and rank 2 is the one to kill."""
+    me = Position("all_reduce", "dp_replicate", (1, 3), "plugin.py:298 backward", ("k",))
+    first = {0: {"beat": 4, "step": 63, "where": "in all_reduce over world (called from x.py:1 f)", "in": True},
+             2: {"beat": 4, "step": 63, "where": "outside any collective, in model.py:9 forward", "in": False},
+             3: {"beat": 4, "step": 63, "where": "in all_gather_single over dp_shard (called from fsdp)", "in": True}}
+    second = {0: dict(first[0], beat=7), 2: dict(first[2]), 3: dict(first[3], beat=7)}
+    missing, stopped = _missing(1, me, first, second, 1.5)
+    assert stopped == [2]
+    assert missing[0].startswith("rank 3 (step 63, waits in all_gather_single over dp_shard")
+    assert missing[0].endswith("perhaps on a stopped rank, or a collective only some ranks call)")
+    assert missing[1].startswith("rank 2 (no heartbeat over the last 1.5 s: stopped or dead")
+    assert len(missing) == 2  # rank 0 beats and is outside the group: not named
