@@ -137,9 +137,10 @@ def _run_train(job: dict) -> dict:
     from nd_parallel.data_pipeline import Collator, load_prepared
     from nd_parallel.fault.resume import account as account_for_resume
     from nd_parallel.fault.resume import agreed as agreed_checkpoint
+    from nd_parallel.fault.resume import finished as finished_at
     from nd_parallel.fault.resume import init_restarted_process_group
     from nd_parallel.plugins.trainer import NDParallelCallback
-    from nd_parallel.train_callbacks import ProgressAndLog, user_callbacks
+    from nd_parallel.train_callbacks import ProgressAndLog, StopBeforeTheFirstStep, user_callbacks
 
     t = job["train"]
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -163,7 +164,13 @@ def _run_train(job: dict) -> dict:
             print(note, flush=True)
     trainer.add_callback(ProgressAndLog(t["output_dir"], t.get("logging_steps") or 1, job["name"],
                                         append=bool(resume)))
-    trainer.train(resume_from_checkpoint=resume)
+    if finished_at(resume):  # restarted after the last step's checkpoint (a rank failed at exit): train no more
+        trainer.add_callback(StopBeforeTheFirstStep())
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except StopBeforeTheFirstStep.Reached:  # the model is prepared and loaded from the checkpoint: save it again
+        if trainer.is_world_process_zero():
+            print(f"[nd_parallel] {Path(resume).name} is the run's last step: nothing left to train", flush=True)
     trainer.save_model(t["output_dir"])  # collective: the full HF model, or the adapter; plus the tokenizer
     logs = trainer.state.log_history
     return {"losses": [h["loss"] for h in logs if "loss" in h],

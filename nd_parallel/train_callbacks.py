@@ -63,6 +63,18 @@ class ProgressAndLog(TrainerCallback):
             self.bar = None
 
 
+class StopBeforeTheFirstStep(TrainerCallback):
+    """For a run resumed at its last step: the Trainer would take one step more than max_steps (it checks for the
+    end only after a step), so stop it once the model is prepared and loaded, before that step runs. Every rank
+    raises at the same point."""
+
+    class Reached(Exception):
+        pass
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        raise self.Reached
+
+
 # ------------------------------------------------------------------------------------ trainer_callbacks: key
 def callback_specs(path, value) -> list[dict]:
     """The YAML's ``trainer_callbacks``, checked in the parent before any rank starts: each entry is ``module:Class``

@@ -13,8 +13,11 @@ stop       SIGSTOP of one rank                                      the hang lin
 nan        NaN in one rank's forward for one step (chaos_inject)    the "non-finite values" error
 mismatch   one rank's model config differs when the next attempt    the agreement error at prepare
            starts (chaos_inject; armed with the fault before it)
-node       SIGKILL of every process of one node (nnodes > 1); a     every rank of the other nodes gone
-           fresh `nd-parallel train` then takes its place
+node       SIGKILL of one node's torchrun agent (nnodes > 1); its   every rank gone, the killed agent's too
+           ranks must follow; a fresh `nd-parallel train` then
+           takes the node's place
+end        a rank dies after the last step's checkpoint (last       every other rank gone; the restart trains
+           fault only; chaos_inject)                                no further
 =========  =======================================================  ==========================================
 
 For each fault the harness records ``detected_s`` (fault to detection), ``restart_to_first_step_s`` (fault to the
@@ -39,7 +42,7 @@ from pathlib import Path
 from .chaos_inject import ARMED, EVENTS
 from .proctree import alive, descendants, kill_all
 
-KINDS = ("kill", "save", "stop", "nan", "mismatch", "node")
+KINDS = ("kill", "save", "stop", "nan", "mismatch", "node", "end")
 _NOTE = re.compile(r"\(step (\d+)\).*?(\d+) steps lost")  # fault/resume.account's line
 _FROM = re.compile(r"resuming from (checkpoint-\d+)")
 _REPORT = {"stop": "[nd_parallel] hang:", "nan": "non-finite values at optimizer step",
@@ -253,6 +256,8 @@ class ChaosRun:
         bad = [f.kind for f in faults if f.kind not in KINDS or (f.kind == "node" and self.nnodes < 2)]
         if bad:
             raise ValueError(f"faults {bad}: use {', '.join(KINDS)} ('node' needs nnodes >= 2)")
+        if any(f.kind == "end" for f in faults[:-1]):
+            raise ValueError("'end' strikes after the last step: it can only be the last fault")
         if any(a.kind == b.kind == "mismatch" for a, b in zip(faults, faults[1:])):
             raise ValueError("two mismatches in a row: a mismatch strikes when the attempt after the previous fault "
                              "starts, so put another fault between them")
@@ -294,9 +299,9 @@ class ChaosRun:
         victim = self._victim(fault)
         before = self._ranks()
         step = self._last_step()
-        if fault.kind in ("nan", "save"):
+        if fault.kind in ("nan", "save", "end"):
             every = float(self.yaml.get("save_steps", 1))
-            at = step + 2 if fault.kind == "nan" else int((step // every + 1) * every)
+            at = {"nan": step + 2, "save": int((step // every + 1) * every), "end": 0}[fault.kind]
             self._arm(i, fault.kind, victim, max(at, fault.step))
             event = self._wait(f"fault {i} ({fault.kind}) to fire on rank {victim}", lambda: self._events().get(i))
             t0, step = event["t"], event["step"]
@@ -329,9 +334,12 @@ class ChaosRun:
         t_note, note = self._wait(f"the restart after fault {i}", lambda: self._line(after, "[nd_parallel] restart"))
         step, lost = map(int, _NOTE.search(note).groups())
         source = _FROM.search(note)
-        # the note is printed after the log was cut back to `step`: a line beyond it is the new attempt's
-        t_step = self._wait(f"the first step after the restart of fault {i}",
-                            lambda: self._last_step() > step and time.time())
+        if step >= int(self.yaml.get("max_steps") or 0) > 0:  # resumed at the end: it must train no further
+            t_step, _ = self._wait(f"the finished run's restart after fault {i} to stop",
+                                   lambda: self._line(t_note, "is the run's last step: nothing left to train"))
+        else:  # the note is printed after the log was cut back to `step`: a line beyond it is the new attempt's
+            t_step = self._wait(f"the first step after the restart of fault {i}",
+                                lambda: self._last_step() > step and time.time())
         return source.group(1) if source else None, step, lost, t_step
 
     def _measure_mismatch(self, i: int) -> Measured:

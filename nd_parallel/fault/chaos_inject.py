@@ -9,7 +9,9 @@ appends an event with the wall-clock time to ``events.jsonl``, which the harness
 - ``save``: the rank writes its shard files of the next checkpoint, then SIGKILLs itself, before the checkpoint's
   metadata and completion marker exist (a death in the middle of a save);
 - ``mismatch``: at the start of an attempt the rank's model config differs from the others' (a node started with
-  a stale YAML), which the agreement check at prepare must name.
+  a stale YAML), which the agreement check at prepare must name;
+- ``end``: after the last step's checkpoint, the rank SIGKILLs itself (as a rank that aborts at exit would): the
+  restart must find the run finished and train no further.
 
 Kills at random steps, SIGSTOP and node failures come from outside (chaos.py), as they would on a cluster.
 """
@@ -99,3 +101,8 @@ class ChaosInjector(TrainerCallback):
 
         write_then_die.chaos_original = original
         FileSystemWriter.write_data = write_then_die
+
+    def on_train_end(self, args, state, control, **kwargs):
+        fault = self._take("end")
+        if fault is not None and self._claim(fault, step=state.global_step):
+            os.kill(os.getpid(), signal.SIGKILL)

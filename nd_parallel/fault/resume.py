@@ -66,6 +66,15 @@ def _step_of(checkpoint: str) -> int:
     return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
 
 
+def finished(checkpoint: str | None) -> bool:
+    """Whether the run had already reached its last step at ``checkpoint`` (a restart after the final save, e.g. a
+    rank that failed at exit): resuming there would make the Trainer take one step more than max_steps."""
+    if checkpoint is None:
+        return False
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return int(state.get("max_steps") or 0) > 0 and int(state["global_step"]) >= int(state["max_steps"])
+
+
 def account(checkpoint: str | None, log_file, restart: int) -> str | None:
     """On the main process of a resumed or restarted run: cut ``log_file`` (one JSON object per step) back to the
     step it continues from, so that the log stays one line per step, and say how many logged steps were lost."""

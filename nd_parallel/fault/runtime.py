@@ -153,8 +153,43 @@ def _close_all() -> None:
     except Exception as err:  # already reported where it was raised; exit must go on to tear down in order
         logger.error("the checkpoint written in the background failed: %s", err)
     if dist.is_initialized():
+        together = _ExitTogether()
         try:
             dist.destroy_process_group()
         except Exception as err:  # already torn down by someone else: nothing left to do
             logger.debug("destroy_process_group at exit: %s", err)
+        together.wait()
     reset_group()
+
+
+class _ExitTogether:
+    """Rank 0 leaves last. Where each attempt's store is served by rank 0's process (several nodes, launch.Nodes),
+    a rank 0 that exits first takes the store with it while its peers are still tearing their groups down; their
+    teardown then fails and the gloo threads left behind abort the process at exit ("terminate called without an
+    active exception"; seen at the end of the two-node chaos run). So every rank counts itself out in the store
+    after destroying its groups, and rank 0, holding the store alive, waits (at most 10 s) for all of them."""
+
+    KEY = "nd_parallel/exited"
+
+    def __init__(self):
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        try:
+            self.store = _get_default_store() if self.world > 1 else None  # a reference keeps it alive
+        except Exception:  # no default store (an in-memory group): nothing to wait for
+            self.store = None
+
+    def wait(self, timeout: float = 10.0) -> None:
+        import time
+
+        if self.store is None:
+            return
+        try:
+            count = self.store.add(self.KEY, 1)
+            deadline = time.monotonic() + timeout
+            while self.rank == 0 and count < self.world and time.monotonic() < deadline:
+                time.sleep(0.02)
+                count = self.store.add(self.KEY, 0)
+        except Exception as err:  # the store's host is gone already: nothing to hold open
+            logger.debug("exit count in the store: %s", err)

@@ -67,6 +67,9 @@ class Watchdog:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step = 0  # optimizer steps taken, set by the plugin's optimizer hook
         self._store = store if store is not None else _own_store(self.beat)
+        # longer than any healthy beat (an investigation sleeps two beats) and than the store's own timeout
+        self._stuck_after = _store_timeout(self.beat) + 2 * self.beat
+        self._closed = False
         self._exit = exit_fn
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
@@ -87,18 +90,30 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        self._closed = True  # a beat still running (an investigation) must not end a process that is ending well
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=2 * self.beat + 5)
 
     def _run(self) -> None:
+        """Each beat runs in a short-lived daemon thread of its own, so that a store call that never returns (a
+        TCPStore whose host is SIGSTOPped answers nothing, and a call after a timed-out one can block for good)
+        cannot silence this loop: a beat still running after the store's timeout counts as an unreachable store."""
+        beat: _Beat | None = None
         while not self._stop.wait(self.beat):
-            try:
-                self._tick()
+            if beat is not None and beat.is_alive():
+                stuck = time.monotonic() - beat.started
+                if stuck >= self._stuck_after:
+                    self._store_unreachable(TimeoutError(f"a store call has not returned for {stuck:.0f} s"),
+                                            since=beat.started)
+                continue
+            if beat is not None and beat.error is not None:  # a store hiccup: the next beat tries again
+                logger.debug("watchdog beat failed: %s", beat.error)
+                self._store_unreachable(beat.error)
+            elif beat is not None:
                 self._store_down_since = None
-            except Exception as err:  # a store hiccup must not end the thread: the next beat tries again
-                logger.debug("watchdog beat failed: %s", err)
-                self._store_unreachable(err)
+            beat = _Beat(self._tick)
+            beat.start()
 
     # -------------------------------------------------------------------------------------------- beat
     def _where(self, now: float) -> tuple[Position, float]:
@@ -153,13 +168,13 @@ class Watchdog:
             _kill_if_local(second.get(peer, first.get(peer)))
         self._finish(line, printed=True)
 
-    def _store_unreachable(self, err: Exception) -> None:
+    def _store_unreachable(self, err: Exception, since: float | None = None) -> None:
         """The store stopped answering. Under a launcher that serves it from rank 0's process (several nodes, each
         attempt a fresh store), a stopped or dead rank 0 takes the store with it, and no heartbeat can be read: once
         this rank has also waited in one collective for the threshold, report that and end the process."""
         now = time.monotonic()
         if self._store_down_since is None:
-            self._store_down_since = now
+            self._store_down_since = now if since is None else since
         pos, waited = self._where(now)
         down = now - self._store_down_since
         if not pos.collective or waited < self.threshold or down < _INVESTIGATE_BEATS * self.beat:
@@ -191,6 +206,8 @@ class Watchdog:
             self.on_report(line)
 
     def _finish(self, line: str, printed: bool = False) -> None:
+        if self._closed:
+            return
         if not printed:
             self._say(line)
         self._stop.set()
@@ -234,12 +251,30 @@ def _kill_if_local(record: dict | None) -> None:
             pass
 
 
+class _Beat(threading.Thread):
+    """One beat of the watchdog (``Watchdog._tick``), remembering when it started and what it raised."""
+
+    def __init__(self, tick):
+        super().__init__(name="nd_parallel-watchdog-beat", daemon=True)
+        self._tick, self.started, self.error = tick, time.monotonic(), None
+
+    def run(self) -> None:
+        try:
+            self._tick()
+        except Exception as err:
+            self.error = err
+
+
+def _store_timeout(beat: float) -> float:
+    return max(10.0, 4 * beat)
+
+
 def _own_store(beat: float):
     """A second connection to the default store, with a short timeout, used by the watchdog thread only."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store().clone()
-    store.set_timeout(timedelta(seconds=max(10.0, 4 * beat)))
+    store.set_timeout(timedelta(seconds=_store_timeout(beat)))
     return dist.PrefixStore("nd_parallel_watchdog/", store)
 
 

@@ -2,7 +2,8 @@
 reported as it must be, and ends with exactly the parameters and losses of the same run left alone.
 
 - one node, FSDP2 on 2 ranks: a mismatched config, kill -9 of a rank, a death in the middle of a save, SIGSTOP of a
-  rank, a NaN; the victims are drawn by a seeded generator (benchmarks/bench_chaos.py draws the steps too);
+  rank, a NaN, a death after the last checkpoint; the victims are drawn by a seeded generator
+  (benchmarks/bench_chaos.py draws the steps too);
 - two simulated nodes (two `nd-parallel train --nnodes 2` on this machine, c10d rendezvous on localhost), HSDP
   replicating across them: one node is killed whole and a fresh one takes its place.
 """
@@ -40,7 +41,8 @@ def test_chaos_one_node_every_fault_kind(tmp_path):
     data = write_model_and_data(tmp_path, n=400)
     run = ChaosRun(_yaml(data, 40, dp_shard_size=2), tmp_path, nproc=2, hang_timeout=HANG, seed=13)
     reference = run.reference()
-    faults = [Fault("mismatch"), Fault("kill", 6), Fault("save", 10), Fault("stop", 16), Fault("nan", 22)]
+    faults = [Fault("mismatch"), Fault("kill", 6), Fault("save", 10), Fault("stop", 16), Fault("nan", 22),
+              Fault("end")]
     result = run.run(faults)
     print(f"\nchaos, one node, FSDP2 on 2 ranks ({result.seconds:.0f} s):\n{result.table()}")
     m = {x.kind: x for x in result.measured}
@@ -62,6 +64,9 @@ def test_chaos_one_node_every_fault_kind(tmp_path):
     nan = m["nan"]
     assert nan.detected_s < 10 and f"optimizer step {nan.step} " in nan.report and "on rank" in nan.report
     assert nan.resumed_step < nan.step
+    end = m["end"]  # a rank died after the last checkpoint: the restart finds the run done and trains no further
+    assert end.step == 40 and end.resumed_step == 40 and end.steps_lost == 0 and end.detected_s < 10, end
+    assert "checkpoint-40 is the run's last step: nothing left to train" in result.output
     _assert_same_run(reference, result, tmp_path / "chaos", 40)
 
 

@@ -101,8 +101,12 @@ def test_agreed_in_one_process_is_choose(tmp_path):
 def test_chaos_fault_kinds_are_checked(tmp_path):
     with pytest.raises(ValueError, match="'node' needs nnodes >= 2"):
         ChaosRun({}, tmp_path, nproc=2).run([Fault("node")])
-    with pytest.raises(ValueError, match="use kill, save, stop, nan, mismatch, node"):
+    with pytest.raises(ValueError, match="use kill, save, stop, nan, mismatch, node, end"):
         ChaosRun({}, tmp_path, nproc=2).run([Fault("meteor")])
+    with pytest.raises(ValueError, match="'end' strikes after the last step: it can only be the last fault"):
+        ChaosRun({}, tmp_path, nproc=2).run([Fault("end"), Fault("kill")])
+    with pytest.raises(ValueError, match="two mismatches in a row"):
+        ChaosRun({}, tmp_path, nproc=2).run([Fault("kill"), Fault("mismatch"), Fault("mismatch")])
 
 
 def test_axolotls_auto_resume_is_resume_auto(tmp_path, data):
