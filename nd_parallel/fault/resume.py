@@ -89,7 +89,8 @@ def account(checkpoint: str | None, log_file, restart: int) -> str | None:
     what = f"restart {restart}" if restart else "resume"
     start = (f"resuming from {Path(checkpoint).name} (step {step})" if checkpoint else
              "no complete checkpoint yet, starting again (step 0)")
-    return f"[nd_parallel] {what}: {start}; the interrupted run had logged step {reached}: {reached - step} steps lost"
+    return (f"[nd_parallel] {what}: {start}; the interrupted run had logged step {reached}: "
+            f"{max(0, reached - step)} steps lost")
 
 
 def init_restarted_process_group(restart: int, environ=None) -> None:
