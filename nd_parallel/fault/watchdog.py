@@ -184,7 +184,8 @@ class Watchdog:
                 f"{down:.0f} s ({type(err).__name__}): its host (rank 0, or torchrun's agent on the first node) is "
                 "stopped or dead")
         self._say(line)
-        _kill_if_local((self._peers or {}).get(0))  # a stopped rank 0 runs no SIGTERM handler: its agent would wait
+        if self.rank != 0:  # a stopped rank 0 runs no SIGTERM handler: its agent would wait 30 s for it
+            _kill_if_local((self._peers or {}).get(0))
         self._finish(line, printed=True)
 
     def _abort_from_peer(self, pos: Position, waited: float) -> None:
