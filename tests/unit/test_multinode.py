@@ -117,3 +117,11 @@ def test_axolotls_auto_resume_is_resume_auto(tmp_path, data):
     assert cfg.resume_from_checkpoint == explicit  # an explicit checkpoint wins, as in Axolotl
     with pytest.raises(ConfigError, match="auto_resume_from_checkpoints='yes'; use true or false"):
         load_train_config(_cfg(tmp_path, data, auto_resume_from_checkpoints="yes"))
+
+
+def test_nnodes_under_an_outer_launcher_is_refused(tmp_path, data, capsys, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = _cfg(tmp_path, data, dp_shard_size=2)
+    assert main(["train", str(path), "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400"]) == 2
+    assert "--nnodes under an outer launcher" in capsys.readouterr().err
