@@ -105,19 +105,24 @@ class _Node:
             if self._echo:
                 self._echo(line.rstrip("\n"))
 
+    def _processes(self, name: str):
+        """(pid, argv, environment) of every live descendant of this node whose command line has ``name``."""
+        for pid in descendants(self.proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            if any(a == name or a.endswith(b"/" + name) for a in argv) and alive(pid):
+                yield pid, argv, env
+
     def ranks(self) -> dict[int, int]:
         """Global rank -> pid of this node's live rank processes."""
         found = {}
-        for pid in descendants(self.proc.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(c.endswith(b"train.py") for c in cmd) and b"torch.distributed.run" not in cmd:
-                rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
-                if rank is not None and alive(pid):
-                    found[rank] = pid
+        for pid, argv, env in self._processes(b"train.py"):
+            rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+            if rank is not None and b"torch.distributed.run" not in argv:
+                found[rank] = pid
         return found
 
     def kill(self) -> None:
@@ -126,13 +131,9 @@ class _Node:
 
     def kill_agent(self) -> int:
         """A node failure as issue 13 states it: SIGKILL of the node's torchrun agent (its ranks must follow)."""
-        for pid in descendants(self.proc.pid):
-            try:
-                if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-                    os.kill(pid, signal.SIGKILL)
-                    return pid
-            except OSError:
-                continue
+        for pid, _, _ in self._processes(b"torch.distributed.run"):
+            os.kill(pid, signal.SIGKILL)
+            return pid
         raise ChaosError(f"no torchrun agent under node process {self.proc.pid}")
 
     def finish(self, timeout: float) -> int:
