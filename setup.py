@@ -27,5 +27,5 @@ setup(
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
     },
-    entry_points={"console_scripts": ["nd-parallel=nd_parallel.cli:main"]},
+    entry_points={"console_scripts": ["nd-parallel=nd_parallel.cli.main:main"]},
 )

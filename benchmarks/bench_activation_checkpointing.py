@@ -96,8 +96,8 @@ def worker(args) -> None:
     from torch.utils.data import DataLoader
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.parity import _collate
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
+    from nd_parallel.testing.parity import _collate
 
     layout = json.loads(args.layout)
     samples = make_samples(n=4, seq_len=args.seq, min_len=args.seq)
@@ -168,8 +168,8 @@ def main() -> None:
         return worker(args)
     if args.quick:
         args.seq, args.steps = 256, 1
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     h = args.hidden
     rows = []

@@ -57,7 +57,7 @@ def worker(args) -> None:
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
     from nd_parallel.checkpoint import asynchronous
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
 
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2)).attach(accelerator)
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_async_save_") as tmp:
         heads = max(1, args.hidden // 64)

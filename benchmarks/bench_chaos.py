@@ -1,5 +1,5 @@
 """The long chaos run: `nd-parallel train --max-restarts N` under many faults at random steps, against the same run
-left alone. The short version is tests/distributed/test_fault_chaos.py; both use nd_parallel/fault/chaos.py.
+left alone. The short version is tests/distributed/test_fault_chaos.py; both use nd_parallel/testing/chaos.py.
 
 Faults (kinds drawn about equally, steps and victims at random from ``--seed``): kill -9 of a rank, a rank dying in
 the middle of a checkpoint save, SIGSTOP of a rank, a NaN in one rank's forward, a rank started with a different
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import torch
     from safetensors.torch import load_file
 
-    from nd_parallel.fault.chaos import ChaosRun, random_faults, to_json
+    from nd_parallel.testing.chaos import ChaosRun, random_faults, to_json
     from tests.distributed.train_yaml_helpers import write_model_and_data
 
     args = parse_args(argv)

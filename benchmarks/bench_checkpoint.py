@@ -82,7 +82,7 @@ def worker(args) -> None:
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
     from nd_parallel.checkpoint import full_state
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -195,8 +195,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     results, meta = {}, {"load_start": _loadavg()}
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:

@@ -53,7 +53,7 @@ def worker(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
 
     accelerator = Accelerator()
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -124,8 +124,8 @@ def main(argv=None) -> None:
         return worker(args)
     if args.quick:
         args.hidden, args.layers, args.seq, args.mem_seq, args.steps = 64, 2, 256, 128, 3
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -71,7 +71,7 @@ def shard_index(rank: int, cp: int, seq: int, load_balance: bool) -> torch.Tenso
 
 
 def metas_for(cp: int, seq: int, load_balance: bool):
-    from nd_parallel.context_parallel.attention import KVMeta
+    from nd_parallel.distributed.context_parallel.attention import KVMeta
 
     return [KVMeta(shard_index(r, cp, seq, load_balance)) for r in range(cp)]
 
@@ -91,7 +91,7 @@ def ratio(values) -> float:
 # ------------------------------------------------------------------------------------ (a) analytical
 def analytical(cp: int, seq: int) -> dict:
     """Per rank: causal (q, k) pairs visible (index_q + 1 keys per query), and pairs the block plan computes."""
-    from nd_parallel.context_parallel.attention import plan_blocks
+    from nd_parallel.distributed.context_parallel.attention import plan_blocks
 
     out = {}
     for name, lb in (("contig", False), ("lb", True)):
@@ -106,7 +106,7 @@ def analytical(cp: int, seq: int) -> dict:
 # ------------------------------------------------------------------------------------ (a) isolated
 def replay_rank(r, cp, metas, q, k, v, grad, scale, kernel):
     """Rank r's forward and backward block math of a ring pass, without communication."""
-    from nd_parallel.context_parallel.blocks import backward_lse, merge, pick_kernel, plan_blocks
+    from nd_parallel.distributed.context_parallel.blocks import backward_lse, merge, pick_kernel, plan_blocks
 
     fwd, bwd = pick_kernel(kernel, q.device, None)
     mine = metas[r].index
@@ -147,7 +147,7 @@ def isolated(args, cp: int) -> dict:
 
 def single(args) -> dict:
     """One process, one thread, the whole sequence, the same kernel (no ranks alive meanwhile)."""
-    from nd_parallel.context_parallel.attention import KVMeta, comm_stats, local_attention
+    from nd_parallel.distributed.context_parallel.attention import KVMeta, comm_stats, local_attention
 
     torch.set_num_threads(1)
     q, k, v, grad = inputs(args)
@@ -169,7 +169,7 @@ def single(args) -> dict:
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from nd_parallel.context_parallel.attention import comm_stats, ring_attention, ulysses_attention
+    from nd_parallel.distributed.context_parallel.attention import comm_stats, ring_attention, ulysses_attention
 
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
+    from nd_parallel.testing.launch import launch_for_result
 
     results = {"cp": {}}
     start, load_start = time.perf_counter(), os.getloadavg()

@@ -1,7 +1,7 @@
 """Step time and per-rank memory of FSDP2 x TP2 on 4 ranks, three ways, in one launch.
 
     ours          NDParallelPlugin(ParallelismConfig(dp_shard_size=2, tp_size=2)) attached to an Accelerator,
-                  the unchanged Accelerate loop of nd_parallel/parity.py (train_layout)
+                  the unchanged Accelerate loop of nd_parallel/testing/parity.py (train_layout)
     transformers  AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2,
                   tp_size=2)) in a plain torch loop
     raw           hand-written torchtitan-style baseline: parallelize_module with Colwise/RowwiseParallel from
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round [3]")
     p.add_argument("--rounds", type=int, default=10, help="rounds of A B C [10]")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation before round 1 [3]")
-    p.add_argument("--family", default="llama", help="nd_parallel.toy family [llama]")
+    p.add_argument("--family", default="llama", help="nd_parallel.testing.models family [llama]")
     p.add_argument("--tied", action="store_true", help="tie embeddings and lm_head [untied]")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=1024)
@@ -338,7 +338,7 @@ def collect(impls: list[Impl], measured: dict) -> dict:
 def worker(args) -> None:
     from accelerate import Accelerator
 
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
 
     _quiet()
     load_at_start = _loadavg()
@@ -361,7 +361,7 @@ def worker(args) -> None:
     measured = {}
     for impl in impls:
         run_steps(impl, 1, measure=lambda i: measured.setdefault(i.name, state_bytes(i)))
-    latency = scalar_allreduce_latency(accelerator.nd_parallel.mesh["dp_cp"].get_group())
+    latency = scalar_allreduce_latency(accelerator.nd_parallel.distributed.mesh["dp_cp"].get_group())
     profiles = {impl.name: count_collectives(impl) for impl in impls} if args.profile else None
     result = collect(impls, measured)
     result["collectives"] = profiles
@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_tp_") as tmp:
         model_dir = save_tiny_model(args.family, Path(tmp) / "model", seed=0, **model_overrides(args))

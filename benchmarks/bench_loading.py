@@ -180,7 +180,7 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.vocab, args.hidden, args.intermediate, args.shard_size = 4096, 256, 1024, "6MB"
-    from nd_parallel.launch import launch_for_result
+    from nd_parallel.testing.launch import launch_for_result
 
     layouts = args.layouts.split(",")
     unknown = [name for name in layouts if name not in LAYOUTS]

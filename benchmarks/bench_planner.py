@@ -365,7 +365,7 @@ def print_report(rep: dict) -> None:
 
 
 def _save_models(args, tmp: str) -> dict[str, str]:
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     dirs = {}
     for shape in args.shapes.split(","):
@@ -398,7 +398,7 @@ def main(argv=None) -> None:
         return print_report(rep)
     if args.quick:
         args.layouts, args.shapes, args.steps = ",".join(QUICK), next(iter(SHAPES)), 2
-    from nd_parallel.launch import launch_for_result
+    from nd_parallel.testing.launch import launch_for_result
 
     with tempfile.TemporaryDirectory() as tmp:
         dirs = _save_models(args, tmp)

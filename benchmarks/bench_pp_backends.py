@@ -28,8 +28,8 @@ def worker(args) -> None:
     from torch.utils.data import DataLoader
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.parity import _collate
-    from nd_parallel.toy import make_samples
+    from nd_parallel.testing.models import make_samples
+    from nd_parallel.testing.parity import _collate
 
     samples = make_samples(args.per_rank_batch * (args.steps + 2), args.seq, min_len=args.seq)
     runs = {}
@@ -80,8 +80,8 @@ def main(argv=None) -> None:
         return worker(args)
     if args.quick:
         args.hidden, args.layers, args.seq, args.steps, args.per_rank_batch = 64, 4, 32, 5, 4
-    from nd_parallel.launch import launch_for_result
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.launch import launch_for_result
+    from nd_parallel.testing.models import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,

@@ -3,7 +3,7 @@
 A llama with a 32000-token vocabulary, hidden 256 and 8 layers: the lm_head (+ loss) costs several decoder
 layers, the embedding's backward (a dense 32000 x 256 gradient) about one. The uniform split gives every
 stage 2 layers, so the last stage carries 2 layers *and* the head. ``pp_balance="profile"``
-(nd_parallel.pipeline.balance) measures every unit and moves layers off the head's stage.
+(nd_parallel.distributed.pipeline.balance) measures every unit and moves layers off the head's stage.
 
 For each split, in one 4-rank launch (p=4, 1F1B, m micro-batches of 1 x seq tokens):
   predicted   per-stage fwd+bwd from the profile (median over ranks of each unit's median)
@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_model(args):
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.toy import tiny_config
+    from nd_parallel.testing.models import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -72,7 +72,7 @@ def build_split(args, counts: list[int]):
     from accelerate import Accelerator
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.pipeline.timeline import TimelineRecorder, attach
+    from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach
 
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(pp_size=P, pp_microbatches=args.microbatches)).attach(accelerator)
@@ -88,8 +88,8 @@ def measure(args, pipes: dict) -> dict:
     """Both splits measured alternately (A B A B ...), so background load on the machine hits them alike."""
     import torch.distributed as dist
 
-    from nd_parallel.pipeline.balance import measure_stage_seconds, sample_batch
-    from nd_parallel.pipeline.timeline import bubble, stage_seconds, write
+    from nd_parallel.distributed.pipeline.balance import measure_stage_seconds, sample_batch
+    from nd_parallel.distributed.pipeline.timeline import bubble, stage_seconds, write
 
     any_pipe = next(iter(pipes.values()))
     batch = sample_batch(any_pipe, (1, args.seq))
@@ -133,8 +133,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from nd_parallel.pipeline.balance import agree_costs, profile_plan, stage_times
-    from nd_parallel.pipeline.split import uniform_layers
+    from nd_parallel.distributed.pipeline.balance import agree_costs, profile_plan, stage_times
+    from nd_parallel.distributed.pipeline.split import uniform_layers
 
     Accelerator()  # initializes the process group (gloo on CPU) from torchrun's environment
     model = build_model(args)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
+    from nd_parallel.testing.launch import launch_for_result
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -4,7 +4,7 @@ Each decoder layer of a tiny llama is made to *sleep* for a fixed time in forwar
 backward and in its weight-gradient backward (custom autograd functions), so stage times are set by the
 benchmark, not by how many cores the machine has: 4+ stages are measurable on 2 cores. The pipeline is
 the real one — NDParallelPlugin + accelerator.prepare + torch.distributed.pipelining — and the timeline is
-recorded by nd_parallel.pipeline.timeline. Every rank runs the same work per micro-batch under every
+recorded by nd_parallel.distributed.pipeline.timeline. Every rank runs the same work per micro-batch under every
 schedule (8 layers over 4 ranks: 2 layers per stage with 1 stage per rank, 1 layer per stage with 2),
 so the step times are comparable too.
 
@@ -80,7 +80,7 @@ def make_layer_sleep(layer: torch.nn.Module, f_s: float, b_s: float, w_s: float)
 def build_model(args):
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.toy import tiny_config
+    from nd_parallel.testing.models import tiny_config
 
     torch.manual_seed(0)
     cfg = tiny_config("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, head_dim=8,
@@ -114,7 +114,7 @@ def run_one(args, schedule: str, v: int, m: int) -> dict:
     from accelerate import Accelerator
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.pipeline.timeline import TimelineRecorder, attach, bubble, replay, summarize, write
+    from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach, bubble, replay, summarize, write
 
     accelerator = Accelerator()
     config = ParallelismConfig(pp_size=P, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m)
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from nd_parallel.launch import launch_for_result
+    from nd_parallel.testing.launch import launch_for_result
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

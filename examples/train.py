@@ -17,8 +17,9 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.toy import make_samples, save_tiny_model
-from nd_parallel.train import DatasetSpec, adopt_launcher_env, build_samples, collate
+from nd_parallel.accelerate.launcher_env import adopt_launcher_env
+from nd_parallel.cli.train.rank import DatasetSpec, build_samples, collate
+from nd_parallel.testing.models import make_samples, save_tiny_model
 
 
 def parse_args():
@@ -39,7 +40,7 @@ def main():
     # Accelerator() because save_pretrained writes on rank 0 only once torch.distributed is initialized.
     model_dir = args.model_dir or save_tiny_model("llama", tempfile.mkdtemp(prefix="nd-parallel-tiny-"))
     # Before Accelerator(): nd_parallel, not accelerate, turns the sizes into a mesh, and on a CPU-only
-    # machine Accelerator() must be told that torchrun's ranks are CPU ranks (see nd_parallel/train.py).
+    # machine Accelerator() must be told that torchrun's ranks are CPU ranks (see nd_parallel/cli/train/rank.py).
     adopt_launcher_env()
     config = ParallelismConfig.from_env()
     accelerator = Accelerator()

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from nd_parallel import ParallelismConfig
 from nd_parallel.plugins.trainer import NDParallelCallback
-from nd_parallel.toy import make_samples, save_tiny_model
+from nd_parallel.testing.models import make_samples, save_tiny_model
 
 
 def collate(samples):

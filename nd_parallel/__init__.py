@@ -1,8 +1,11 @@
-"""nd_parallel: HSDP, TP, CP and pipeline parallelism for any Hugging Face causal LM, from Accelerate."""
+"""nd_parallel: HSDP, TP, CP and pipeline parallelism for any Hugging Face causal LM, from Accelerate.
+
+Public API only; the layers below are described in docs/architecture.md.
+"""
 
 from .config import ParallelismConfig
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["ParallelismConfig", "NDParallelPlugin", "__version__"]
 
 
@@ -10,7 +13,7 @@ def __getattr__(name):
     # The plugin pulls in accelerate and transformers (seconds per process): import it only when asked for, so
     # submodules such as the attention kernels or the config load fast in every rank.
     if name == "NDParallelPlugin":
-        from .plugin import NDParallelPlugin
+        from .accelerate import NDParallelPlugin
 
         return NDParallelPlugin
     raise AttributeError(f"module 'nd_parallel' has no attribute {name!r}")

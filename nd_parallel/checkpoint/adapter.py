@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..adapters import PEFT_PREFIX, peft_wrapper
+from nd_parallel.models.peft import PEFT_PREFIX, peft_wrapper
+
 from .export import Entry, ShardedWriter, _entries, _size, gather_one_by_one, natural_key, write_model_config
 from .names import MODEL, hf_modules, named_state
 

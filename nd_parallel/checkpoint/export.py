@@ -22,8 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .format import (CONFIG, DCP_DIR, CheckpointError, check_shard_files, quiet_single_process, read_dcp_metadata,
-                     read_marker, safe_reader)
+from .format import (
+    CONFIG,
+    DCP_DIR,
+    CheckpointError,
+    check_shard_files,
+    quiet_single_process,
+    read_dcp_metadata,
+    read_marker,
+    safe_reader,
+)
 from .names import MODEL, hf_modules, named_state
 
 logger = logging.getLogger("nd_parallel")
@@ -217,7 +225,7 @@ def save_model(plugin, model, save_directory, max_shard_size="10GB", safe_serial
     """``accelerator.save_model`` under the plugin: every rank takes part, the main process writes.
 
     A PEFT model writes its adapter, or with ``merge_adapter=True`` the merged model (adapter.py)."""
-    from ..adapters import peft_wrapper
+    from nd_parallel.models.peft import peft_wrapper
 
     if not safe_serialization:
         raise ValueError("safe_serialization=False would write pickled weights; nd_parallel writes safetensors "

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from nd_parallel.models.hf import ties_embeddings
+
 MODEL = "model"  # key prefixes inside the DCP checkpoint
 OPTIM = "optim"
 _OPTIM_SECTIONS = ("state", "param_groups")
@@ -48,7 +50,7 @@ def _merge(modules: list[nn.Module]) -> nn.Module:
 
 def hf_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(HF-named module for state dicts, an HF model object for config / tied keys) of a prepared model."""
-    from ..adapters import base_of
+    from nd_parallel.models.peft import base_of
 
     model = base_of(model)  # a PeftModel is stored under the names of the HF model inside it (LoRA included)
     stages = getattr(model, "stages", None)
@@ -68,8 +70,8 @@ def tied_keys(hf_model: nn.Module) -> dict[str, str]:
     keys = getattr(hf_model, "all_tied_weights_keys", None)
     if keys is not None:
         return dict(keys)
-    config = getattr(hf_model, "config", None)  # transformers < 5: only the usual embedding / head pair
-    if config is None or not getattr(config, "tie_word_embeddings", False):
+    # transformers < 5: only the usual embedding / head pair
+    if getattr(hf_model, "config", None) is None or not ties_embeddings(hf_model):
         return {}
     return {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -20,9 +20,26 @@ import torch
 import torch.distributed as dist
 
 from . import dataloader as dl
-from .format import (DCP_DIR, FORMAT, MARKER, RNG_DIR, VERSION, CheckpointError, apply_total_limit,
-                     auto_checkpoints, check_keys, check_shard_files, publish, quiet_single_process, read_dcp_metadata,
-                     read_marker, safe_load_planner, safe_reader, temp_sibling, write_json)
+from .format import (
+    DCP_DIR,
+    FORMAT,
+    MARKER,
+    RNG_DIR,
+    VERSION,
+    CheckpointError,
+    apply_total_limit,
+    auto_checkpoints,
+    check_keys,
+    check_shard_files,
+    publish,
+    quiet_single_process,
+    read_dcp_metadata,
+    read_marker,
+    safe_load_planner,
+    safe_reader,
+    temp_sibling,
+    write_json,
+)
 from .names import MODEL, OPTIM, global_shape, hf_modules, named_state, tied_keys
 
 logger = logging.getLogger("nd_parallel")

@@ -20,7 +20,7 @@ class AgreementError(RuntimeError):
 
 
 def _model_config(model) -> dict:
-    from ..adapters import base_of
+    from nd_parallel.models.peft import base_of
 
     hf = base_of(model)
     config = getattr(hf, "config", None)
@@ -36,7 +36,7 @@ def fields_of(config, objects, versions: dict[str, str] | None = None) -> dict[s
     """The values every rank must agree on, as plain JSON-able data (field name -> value)."""
     import transformers
 
-    from .. import __version__
+    from nd_parallel.version import __version__
 
     models = [o for o in objects if isinstance(o, torch.nn.Module)]
     loaders = [o for o in objects if isinstance(o, torch.utils.data.DataLoader)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-
 import types
 
 import torch
@@ -144,7 +143,7 @@ _live: list[FaultTolerance] = []
 
 def _close_all() -> None:
     """Orderly end of the process (atexit): watchdogs, the async save in flight, then the process groups."""
-    from ..checkpoint.asynchronous import reset_group, wait_pending
+    from nd_parallel.checkpoint.asynchronous import reset_group, wait_pending
 
     for fault in _live:
         fault.stop_watchdog()

@@ -46,7 +46,7 @@ def group_names(mesh) -> dict[str, str]:
     Several dims can share one group (the flattened "dp" over a mesh whose only dim > 1 is dp_shard): the mesh
     dimension's own name is kept (dims come before flattened views). Dims of size 1 never block anyone: left out.
     """
-    from ..mesh import DIM_NAMES, FLAT_VIEWS
+    from nd_parallel.distributed.mesh import DIM_NAMES, FLAT_VIEWS
 
     names: dict[str, str] = {}
     for dim in (*DIM_NAMES, *FLAT_VIEWS):

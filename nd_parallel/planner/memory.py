@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..pipeline.split import uniform_layers
+from nd_parallel.distributed.pipeline.split import uniform_layers
+
 from .layout import Cluster, Layout, Training
 from .spec import ModelSpec
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nd_parallel.models.hf import text_config
+
 TOKENS = 8
 
 
@@ -83,7 +85,7 @@ def _fwd_bwd(model: nn.Module, inputs: dict) -> tuple[int, int]:
 
 def _with_layers(config, n: int):
     cfg = copy.deepcopy(config)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text = text_config(cfg)
     text.num_hidden_layers = n
     if isinstance(getattr(text, "layer_types", None), list):  # per-layer attention kinds: keep the first n
         text.layer_types = text.layer_types[:n]
@@ -117,8 +119,8 @@ def _module_ops(module: nn.Module) -> int:
 def _ring_step(causal: bool) -> int:
     """Forward + backward ops of our CP attention on one 8-token shard against itself: the diagonal step
     (causal, three blocks) or, without the causal mask, one full block (an off-diagonal step)."""
-    from ..context_parallel.blocks import KVMeta
-    from ..context_parallel.ring import local_attention
+    from nd_parallel.distributed.context_parallel.blocks import KVMeta
+    from nd_parallel.distributed.context_parallel.ring import local_attention
 
     q = torch.randn(1, 2, TOKENS, 4, requires_grad=True)
     k, v = (torch.randn(1, 1, TOKENS, 4, requires_grad=True) for _ in range(2))

@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..pipeline.split import UnsplittableModel, model_parts
+from nd_parallel.models import hf
+from nd_parallel.models.hf import UnsplittableModel, model_parts
+
 from .ops import OpCounts, count_ops
 
 
@@ -145,18 +147,6 @@ def meta_model(config) -> nn.Module:
     return model
 
 
-def _tp_plan(model: nn.Module) -> dict[str, str]:
-    """The model's own TP plan (module pattern -> style), with names from the top-level model."""
-    plan = dict(getattr(model, "tp_plan", None) or {})
-    if not plan:
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        prefix = getattr(model, "base_model_prefix", "")
-        plan = dict(getattr(type(model), "_tp_plan", None) or {})
-        plan.update({(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
-                     for k, v in (getattr(text, "base_model_tp_plan", None) or {}).items()})
-    return plan
-
-
 def _matches(plan: dict[str, str], name: str) -> str | None:
     for pattern, style in plan.items():
         if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name):
@@ -186,9 +176,9 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
         parts = model_parts(model)
     except UnsplittableModel as err:
         raise PlannerError(f"cannot find the decoder-layer stack of {type(model).__name__}: {err}") from None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = hf.text_config(model)
     layers = model.get_submodule(parts.layers_fqn)
-    plan = _tp_plan(model)
+    plan = hf.tp_plan(model)
     layer_prefix = f"{parts.layers_fqn}.0"
     layer = layers[0]
     styles = {n: _matches(plan, f"{layer_prefix}.{n}") for n, _ in layer.named_modules() if n}
@@ -199,8 +189,8 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     qk_norm = any(n.split(".")[-1] in ("q_norm", "k_norm", "q_layernorm", "k_layernorm") for n, _ in layer.named_modules())
-    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = head is not None and emb is not None and head.weight is emb.weight
+    emb, head = hf.embedding_and_head(model)
+    tied = hf.shares_embedding(model)
     modules = dict(model.named_modules())
     emb_name = next((n for n, m in modules.items() if m is emb), "")
     head_name = next((n for n, m in modules.items() if m is head), "")

@@ -35,7 +35,8 @@ bound that ranks layouts the way they are measured on gloo.
 
 from __future__ import annotations
 
-from ..pipeline.split import uniform_layers
+from nd_parallel.distributed.pipeline.split import uniform_layers
+
 from .layout import Cluster, Layout, Training
 from .memory import FP32, layer_activation_bytes, logits_bytes_per_token, rank_params, stages_of_rank
 from .spec import ModelSpec

@@ -82,7 +82,7 @@ class NDParallelAxolotlPlugin(BasePlugin):
     def register(self, cfg: dict):
         import torch
 
-        from nd_parallel.train import adopt_launcher_env
+        from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
         adopt_launcher_env()
         if not torch.cuda.is_available() and cfg.get("bf16", "auto") == "auto":
@@ -92,8 +92,8 @@ class NDParallelAxolotlPlugin(BasePlugin):
     def load_datasets(self, cfg, preprocess: bool = False):
         import torch
 
+        from nd_parallel.accelerate.launcher_env import adopt_launcher_env
         from nd_parallel.config import ConfigError
-        from nd_parallel.train import adopt_launcher_env
 
         fights = [f"{k}: {why}" for k, why in FIGHTS.items() if cfg.get(k)]
         if fights:
@@ -108,8 +108,8 @@ class NDParallelAxolotlPlugin(BasePlugin):
         return None
 
     def add_callbacks_pre_trainer(self, cfg, model):
+        from nd_parallel.accelerate.launcher_env import adopt_launcher_env
         from nd_parallel.plugins.trainer import NDParallelCallback
-        from nd_parallel.train import adopt_launcher_env
 
         adopt_launcher_env()
         self.models.append(model)
@@ -138,7 +138,7 @@ def keep_axolotl_loss(trainer) -> None:
     plain Axolotl, computed inside the model on every layout -- and the Trainer's division is switched off."""
     if trainer.model_accepts_loss_kwargs:  # the Trainer passes the step's own count already (hf_trainer.py)
         return
-    from nd_parallel.loss import count_label_tokens
+    from nd_parallel.distributed.loss import count_label_tokens
 
     trainer.model_accepts_loss_kwargs = True
     original = trainer.compute_loss

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 from nd_parallel.checkpoint import CheckpointWarning, full_state
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
 
 
 def _collate(samples):

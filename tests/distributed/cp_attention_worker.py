@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nd_parallel.context_parallel.attention import KVMeta, comm_stats, ring_attention, ulysses_attention
+from nd_parallel.distributed.context_parallel.attention import KVMeta, comm_stats, ring_attention, ulysses_attention
 
 B, D, SCALE, WINDOW, SOFTCAP = 2, 16, 0.3, 5, 2.0
 MASKS = ("causal", "right_pad", "left_pad", "docs", "window", "softcap", "non_causal", "docs_pad_window")

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.parity import Recipe, train_layout
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, train_layout
 
 
 def shape_data(samples: list[dict], vary_length: bool = False, no_mask: bool = False,
@@ -32,7 +32,7 @@ def shape_data(samples: list[dict], vary_length: bool = False, no_mask: bool = F
 
 def accumulation_refusal(accelerator, samples, recipe) -> str | None:
     """Two forward calls without zero_grad in between (gradient accumulation): the message it is refused with."""
-    from nd_parallel.parity import _collate
+    from nd_parallel.testing.parity import _collate
 
     model = accelerator._models[-1]
     batch = _collate(samples[: recipe.per_rank_batch])

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
 
 mode, model_dir, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 options = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}

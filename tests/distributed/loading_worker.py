@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-import nd_parallel.loading as loading
+import nd_parallel.models.loading as loading
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 
 

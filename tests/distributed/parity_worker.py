@@ -13,8 +13,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.parity import Recipe, train_layout
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, train_layout
 
 
 def main(out_dir: str, spec_path: str) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from nd_parallel import parity
-from nd_parallel.parity import Recipe, RunResult, optimizer_and_schedule  # noqa: F401 (re-exported)
+from nd_parallel.testing import parity
+from nd_parallel.testing.parity import Recipe, RunResult, optimizer_and_schedule  # noqa: F401 (re-exported)
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEED = 1234
@@ -30,8 +30,8 @@ def reference_model(model_dir, how: str):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.adapters import build_meta_peft_model
-    from nd_parallel.loading import lazy_checkpoint, load_local_shards
+    from nd_parallel.models.loading import lazy_checkpoint, load_local_shards
+    from nd_parallel.models.peft import build_meta_peft_model
 
     torch.manual_seed(SEED)
     if how == "wrap":

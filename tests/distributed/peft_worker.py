@@ -19,8 +19,8 @@ from peft_recipe import layout_model, optimizer_and_schedule
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.parity import Recipe, _collate
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, _collate
 
 
 def _local_bytes(t) -> int:

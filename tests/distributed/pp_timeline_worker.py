@@ -14,9 +14,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.pipeline.balance import measure_stage_seconds, profile_balance, sample_batch
-from nd_parallel.pipeline.timeline import TimelineRecorder, attach, to_dicts, write
-from nd_parallel.toy import make_samples, tiny_config
+from nd_parallel.distributed.pipeline.balance import measure_stage_seconds, profile_balance, sample_batch
+from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach, to_dicts, write
+from nd_parallel.testing.models import make_samples, tiny_config
 
 P, M, SEQ, STEPS = 4, 8, 64, 3
 

@@ -18,9 +18,9 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.activation_checkpoint import CheckpointedForward
-from nd_parallel.parity import Recipe, _collate, train_layout
-from nd_parallel.toy import make_samples
+from nd_parallel.distributed.activation_checkpoint import CheckpointedForward
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, _collate, train_layout
 
 
 def _local(t):

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.launch import launch
+from nd_parallel.fault.launch import launch
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "checkpoint_worker.py")
@@ -70,7 +70,7 @@ def _dp(config: dict) -> int:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """Run every phase once; returns the output directory (save_*.pt, load_*.pt, export_*, ckpt/)."""
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     sys.path.insert(0, str(HERE))
     import checkpoint_worker as worker
@@ -218,7 +218,7 @@ def test_offline_export_cli(matrix, saved, tmp_path):
     """`nd-parallel export` of a 4-rank PP x FSDP checkpoint, in this process without any process group."""
     import torch.distributed as dist
 
-    from nd_parallel.cli import main
+    from nd_parallel.cli.main import main
 
     assert not dist.is_initialized()
     out = tmp_path / "hf"

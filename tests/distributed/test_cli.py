@@ -4,7 +4,6 @@ The demo test reads numbers, not exit codes: the table must show the parity it c
 parity matrix is test_train_yaml_parity.py, its real-world Axolotl YAML run test_train_yaml_cli.py.
 """
 
-import json
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.cli import load_train_config, main, parse_layout
+from nd_parallel.cli.main import load_train_config, main, parse_layout
 from nd_parallel.config import ConfigError
 
 CLI = [sys.executable, "-m", "nd_parallel.cli"]
@@ -104,7 +103,7 @@ def test_layout_names():
 
 
 def test_adopt_launcher_env_hands_the_layout_to_nd_parallel():
-    from nd_parallel.train import adopt_launcher_env
+    from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
     env = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
            "WORLD_SIZE": "4", "PARALLELISM_CONFIG_TP_SIZE": "2"}

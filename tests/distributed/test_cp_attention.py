@@ -17,9 +17,15 @@ from collections import defaultdict
 import pytest
 import torch
 
-from nd_parallel.context_parallel.attention import (KVMeta, check_ulysses_heads, local_attention, plan_blocks,
-                                                    reference_mask, ring_attention)
-from nd_parallel.launch import launch
+from nd_parallel.distributed.context_parallel.attention import (
+    KVMeta,
+    check_ulysses_heads,
+    local_attention,
+    plan_blocks,
+    reference_mask,
+    ring_attention,
+)
+from nd_parallel.fault.launch import launch
 from tests.distributed import cp_attention_worker as worker
 
 ATOL = 1e-5

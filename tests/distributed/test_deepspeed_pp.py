@@ -17,9 +17,10 @@ import sys
 import pytest
 import torch
 
-from nd_parallel.launch import LaunchOnce, launch
-from nd_parallel.parity import Recipe, RunResult, compare, train_reference
-from nd_parallel.toy import make_samples
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.launch import LaunchOnce
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, RunResult, compare, train_reference
 
 WORKER = "tests/distributed/deepspeed_worker.py"
 SAMPLES = dict(n=48, seq_len=24)
@@ -63,7 +64,7 @@ CASES = [(name, f, lay) for name, (_, _, layouts, fams) in LAUNCHES.items() for 
 # ------------------------------------------------------------------------------- without DeepSpeed
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     root = tmp_path_factory.mktemp("ds_models")
     families = {f for *_, fams in LAUNCHES.values() for f in fams}
@@ -71,7 +72,7 @@ def model_dirs(tmp_path_factory):
 
 
 def test_missing_deepspeed_says_what_to_install(monkeypatch):
-    from nd_parallel.pipeline import deepspeed_backend
+    from nd_parallel.distributed.pipeline import deepspeed_backend
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` now raises ImportError
     with pytest.raises(ImportError, match=r"pp_backend='deepspeed' needs the deepspeed package.*pip install"):
@@ -81,7 +82,7 @@ def test_missing_deepspeed_says_what_to_install(monkeypatch):
 
 
 def test_layer_boundaries_follow_the_split():
-    from nd_parallel.pipeline.deepspeed_backend import layer_boundaries
+    from nd_parallel.distributed.pipeline.deepspeed_backend import layer_boundaries
 
     # pipeline layers: [embeddings, 4 decoder layers, head]
     assert layer_boundaries([2, 2], 4) == [0, 3, 6]
@@ -95,8 +96,8 @@ def test_pipeline_layers_reproduce_the_model(family, model_dirs):
     """Layers chained in one process = the model's forward and backward, exactly, for any stage boundaries."""
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.pipeline.deepspeed_backend import LayerInputs, _Source, plan_layers
-    from nd_parallel.pipeline.split import model_parts
+    from nd_parallel.distributed.pipeline.deepspeed_backend import LayerInputs, _Source, plan_layers
+    from nd_parallel.models.hf import model_parts
 
     samples = make_samples(4, 24)
     batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

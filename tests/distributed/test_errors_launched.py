@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from nd_parallel.launch import launch
+from nd_parallel.fault.launch import launch
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from nd_parallel.fault.chaos import ChaosRun, Fault
+from nd_parallel.testing.chaos import ChaosRun, Fault
 from tests.distributed.train_yaml_helpers import write_model_and_data
 
 SAVE_STEPS = 4

@@ -19,7 +19,7 @@ def test_mismatched_model_fails_on_every_rank_naming_the_field(tiny_models, tmp_
 
 
 def test_nonfinite_steps_are_skipped_then_stop_and_no_nan_checkpoint(tiny_models, tmp_path):
-    from nd_parallel.launch import launch
+    from nd_parallel.fault.launch import launch
 
     opts = {"layout": {"skip_nonfinite_steps": 1}}
     out = launch("tests/distributed/fault_worker.py", 2, ["nonfinite", tiny_models["llama"], str(tmp_path),
@@ -37,7 +37,7 @@ def test_nonfinite_steps_are_skipped_then_stop_and_no_nan_checkpoint(tiny_models
 
 
 def test_checkpoint_with_nan_is_refused_on_every_rank(tiny_models, tmp_path):
-    from nd_parallel.launch import launch
+    from nd_parallel.fault.launch import launch
 
     launch("tests/distributed/fault_worker.py", 2, ["nonfinite", tiny_models["llama"], str(tmp_path),
                                                   json.dumps({"nan_save": True})], timeout=180, capture=True)
@@ -49,7 +49,7 @@ def test_checkpoint_with_nan_is_refused_on_every_rank(tiny_models, tmp_path):
 
 
 def test_async_save_publishes_in_the_background_and_loads_back(tiny_models, tmp_path):
-    from nd_parallel.launch import launch
+    from nd_parallel.fault.launch import launch
 
     launch("tests/distributed/fault_worker.py", 2, ["async", tiny_models["llama"], str(tmp_path),
                                                   json.dumps({"layout": {"async_save": True}})], timeout=180)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nd_parallel.launch import launch
+from nd_parallel.fault.launch import launch
 
 HANG_TIMEOUT = 10
 

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT to a launcher we own (nd_parallel.launch.launch, behind `nd-parallel demo|train` and the
+"""SIGTERM / SIGINT to a launcher we own (nd_parallel.fault.launch.launch, behind `nd-parallel demo|train` and the
 benchmarks) ends torchrun, both ranks and their dataloader workers within 30 s, leaving no process behind; with
 save_on_signal the ranks first write a preemption checkpoint after the same optimizer step."""
 
@@ -14,7 +14,7 @@ import pytest
 from nd_parallel.fault.proctree import alive, descendants
 from tests.distributed.test_fault_hang import events
 
-DRIVER = ("import sys; from nd_parallel.launch import launch; "
+DRIVER = ("import sys; from nd_parallel.fault.launch import launch; "
           "launch('tests/distributed/fault_worker.py', 2, sys.argv[1:], timeout=300)")
 
 

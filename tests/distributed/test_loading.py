@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nd_parallel.launch import launch
-from nd_parallel.toy import save_tiny_model
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.models import save_tiny_model
 
 WORKER = "tests/distributed/loading_worker.py"
 WORLD = 4

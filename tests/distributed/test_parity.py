@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from nd_parallel.launch import LaunchOnce, launch
-from nd_parallel.parity import Recipe, RunResult, compare, train_reference
-from nd_parallel.toy import make_samples
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.launch import LaunchOnce
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, RunResult, compare, train_reference
 
 WORKER = "tests/distributed/parity_worker.py"
 SAMPLES = dict(n=96, seq_len=24)  # enough for 5 steps of the largest global batch (4 dp x 4)
@@ -125,7 +126,7 @@ def _dp(config: dict, world: int) -> int:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     root, made = tmp_path_factory.mktemp("parity_models"), {}
 

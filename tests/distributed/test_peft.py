@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.launch import LaunchOnce, launch
-from nd_parallel.parity import Recipe, RunResult, compare
-from nd_parallel.toy import make_samples
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.launch import LaunchOnce
+from nd_parallel.testing.models import make_samples
+from nd_parallel.testing.parity import Recipe, RunResult, compare
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peft_recipe import lora_config, train_reference  # noqa: E402
@@ -49,7 +50,7 @@ def _dp(config: dict, world: int) -> int:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     root = tmp_path_factory.mktemp("peft_models")
     return {f: str(save_tiny_model(f, root / f)) for f in FAMILIES}

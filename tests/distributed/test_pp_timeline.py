@@ -1,6 +1,6 @@
 """A real 1F1B run on 4 pipeline ranks (8 micro-batches, 4 layers) draws the textbook staircase.
 
-The timeline is recorded by wrapping the torch.distributed.pipelining stages (nd_parallel.pipeline.timeline);
+The timeline is recorded by wrapping the torch.distributed.pipelining stages (nd_parallel.distributed.pipeline.timeline);
 the assertions are about the order of events, which holds on any machine, not about their durations.
 """
 
@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from nd_parallel.launch import launch
+from nd_parallel.fault.launch import launch
 
 P, M = 4, 8
 
@@ -74,7 +74,7 @@ def test_steady_state_alternates_one_forward_one_backward(run):
 
 def test_replayed_recorded_order_has_the_textbook_bubble(run):
     """The order torch ran, re-timed with equal stage times and instant messages, is exactly 1F1B's bubble."""
-    from nd_parallel.pipeline.timeline import Event, analytical_bubble, bubble, replay
+    from nd_parallel.distributed.pipeline.timeline import Event, analytical_bubble, bubble, replay
 
     _, events, _, _ = run
     recorded = [Event(**e) for e in events]

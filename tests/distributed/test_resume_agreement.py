@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from nd_parallel.launch import launch
+from nd_parallel.fault.launch import launch
 
 
 def _checkpoint(root, step):

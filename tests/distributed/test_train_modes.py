@@ -17,7 +17,8 @@ import json
 import pytest
 import torch
 
-from nd_parallel.launch import LaunchOnce, launch
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.launch import LaunchOnce
 
 WORKER = "tests/distributed/precision_worker.py"
 GLOBAL_BATCH = 4
@@ -120,7 +121,7 @@ PLAN = _plan()
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     root = tmp_path_factory.mktemp("train_modes")
     families = set(BF16_FAMILIES) | set(AC_FAMILIES) | set(EVAL_FAMILIES)

@@ -11,8 +11,15 @@ adapter (atol 1e-5).
 import pytest
 import torch
 
-from tests.distributed.train_yaml_helpers import (chat_entry, jobs_for, logged, run_jobs, saved_tensors,
-                                                  write_model_and_data, write_yaml)
+from tests.distributed.train_yaml_helpers import (
+    chat_entry,
+    jobs_for,
+    logged,
+    run_jobs,
+    saved_tensors,
+    write_model_and_data,
+    write_yaml,
+)
 
 BASE = dict(sequence_len=160, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
             lr_scheduler="linear", weight_decay=0.01, seed=0, adam_epsilon=1e-6, optimizer="adamw_torch", bf16="auto",

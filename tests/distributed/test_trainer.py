@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.launch import LaunchOnce, launch
+from nd_parallel.fault.launch import launch
+from nd_parallel.testing.launch import LaunchOnce
 
 WORKER = "tests/distributed/trainer_worker.py"
 HERE = str(Path(__file__).parent)
@@ -64,7 +65,7 @@ def _train_args(config, world, extras, per_rank):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     return str(save_tiny_model("llama", tmp_path_factory.mktemp("trainer_model") / "llama"))
 

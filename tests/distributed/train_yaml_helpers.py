@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from nd_parallel.toy import make_text, save_tiny_model
+from nd_parallel.testing.models import make_text, save_tiny_model
 
 
 def write_model_and_data(root: Path, n: int = 48) -> dict:
     """model/ (tiny Llama + tiny BPE with a ChatML template), text.jsonl, alpaca.json, chat.jsonl."""
-    from nd_parallel.tiny_tokenizer import train_tiny_tokenizer
+    from nd_parallel.testing.tokenizer import train_tiny_tokenizer
 
     lines = make_text(4 * n, seed=7)
     model = save_tiny_model("llama", root / "model", seed=1)
@@ -46,9 +46,9 @@ def write_yaml(path: Path, cfg: dict) -> Path:
 
 def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list[dict]:
     """The ranks' jobs, built exactly as `nd-parallel train` builds them (train_job.build_job)."""
-    from nd_parallel.cli import resolve_train_layout
-    from nd_parallel.train_config import load_train_config
-    from nd_parallel.train_job import build_job
+    from nd_parallel.cli.main import resolve_train_layout
+    from nd_parallel.cli.train.config import load_train_config
+    from nd_parallel.cli.train.job import build_job
 
     jobs = []
     for path in paths:
@@ -62,16 +62,16 @@ def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list[dict]:
 
 def run_jobs(jobs: list[dict], workdir: Path, nproc: int, timeout: float = 900) -> None:
     """All jobs in one launch of nproc ranks (nproc=1: one plain process, no process group)."""
-    from nd_parallel import train
-    from nd_parallel.launch import launch
+    from nd_parallel.cli.train import rank as train
+    from nd_parallel.fault.launch import launch
 
     spec = workdir / f"jobs_{nproc}.json"
     spec.write_text(json.dumps({"jobs": jobs}))
     env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     if nproc > 1:
-        launch(train.__file__, nproc, [str(spec)], timeout=timeout, env=env, capture=True)
+        launch(train.__name__, nproc, [str(spec)], timeout=timeout, env=env, capture=True)
     else:
-        subprocess.run([sys.executable, train.__file__, str(spec)], check=True, capture_output=True, timeout=timeout,
+        subprocess.run([sys.executable, "-m", train.__name__, str(spec)], check=True, capture_output=True, timeout=timeout,
                        env={**os.environ, **env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
 
 

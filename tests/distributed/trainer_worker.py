@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from nd_parallel.toy import make_samples
+from nd_parallel.testing.models import make_samples
 
 
 def collate(samples):
@@ -32,7 +32,7 @@ def next_token_metrics(pred):
 
 
 def checkpointed_layers(model) -> int:
-    from nd_parallel.activation_checkpoint import CheckpointedForward
+    from nd_parallel.distributed.activation_checkpoint import CheckpointedForward
 
     return sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in model.modules())
 
@@ -50,8 +50,8 @@ def main(out_dir: str, spec_path: str) -> None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(spec["model"])
         if extras.get("lora"):
-            from peft_recipe import SEED, lora_config
             from peft import get_peft_model
+            from peft_recipe import SEED, lora_config
 
             torch.manual_seed(SEED)
             model = get_peft_model(model, lora_config())

@@ -5,11 +5,11 @@ import torch
 from peft import IA3Config, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from nd_parallel.adapters import check_targets, expand_plan, lora_tp_styles
 from nd_parallel.config import ParallelismConfig
-from nd_parallel.hf_trainer import check_trainer_args
-from nd_parallel.tensor_parallel import check_adapters, match_plan, resolve_plan
-from nd_parallel.toy import tiny_config
+from nd_parallel.distributed.tensor_parallel import check_adapters, match_plan, resolve_plan
+from nd_parallel.models.peft import check_targets, expand_plan, lora_tp_styles
+from nd_parallel.plugins.trainer.adopt import check_trainer_args
+from nd_parallel.testing.models import tiny_config
 
 
 def _model():
@@ -75,7 +75,7 @@ def test_trainer_evaluation_under_pp_runs_with_torch_and_is_refused_with_deepspe
 def test_trl_sft_trainer_refused_where_its_own_loss_is_wrong():
     """TRL's SFTTrainer divides by this rank's tokens (fused head): refused under dp/cp/pp, allowed under tp only.
     A stand-in class from a 'trl.' module, so the test needs no TRL install."""
-    from nd_parallel.hf_trainer import check_own_loss
+    from nd_parallel.plugins.trainer.adopt import check_own_loss
 
     SFTTrainer = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})
     Subclass = type("MySFT", (SFTTrainer,), {"__module__": "mine"})

@@ -1,4 +1,4 @@
-"""Unit tests for nd_parallel.pipeline.balance: the exact partition, profiling a real HF model, agreement."""
+"""Unit tests for nd_parallel.distributed.pipeline.balance: the exact partition, profiling a real HF model, agreement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nd_parallel.pipeline.balance import (
+from nd_parallel.distributed.pipeline.balance import (
     agree_costs,
     check_same_split,
     partition,
@@ -18,7 +18,7 @@ from nd_parallel.pipeline.balance import (
     sample_batch,
     stage_times,
 )
-from nd_parallel.pipeline.split import check_layer_counts, uniform_layers
+from nd_parallel.distributed.pipeline.split import check_layer_counts, uniform_layers
 
 
 def brute_force(costs, num_stages, allow_empty_ends=True):
@@ -114,8 +114,9 @@ def test_partition_refuses_bad_input(costs, stages, match):
 # ------------------------------------------------------------------------------------- profiling
 @pytest.fixture(scope="module")
 def qwen_untied():
-    from nd_parallel.toy import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.models import tiny_config
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config("qwen3", num_hidden_layers=3), attn_implementation="sdpa")
@@ -137,8 +138,9 @@ def test_profile_layers_on_a_real_model(qwen_untied):
 
 
 def test_profile_sees_a_large_vocabulary():
-    from nd_parallel.toy import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.models import tiny_config
 
     model = AutoModelForCausalLM.from_config(
         tiny_config("llama", vocab_size=32000, num_hidden_layers=2, tie_word_embeddings=False))

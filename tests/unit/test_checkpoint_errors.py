@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 from nd_parallel.checkpoint import CheckpointError
-from nd_parallel.toy import make_samples, save_tiny_model
+from nd_parallel.testing.models import make_samples, save_tiny_model
 
 
 def _collate(samples):

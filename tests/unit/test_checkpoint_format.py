@@ -13,8 +13,14 @@ from safetensors.torch import load_file
 from nd_parallel.checkpoint import CheckpointError, CheckpointWarning
 from nd_parallel.checkpoint.dataloader import resume_at
 from nd_parallel.checkpoint.export import Entry, ShardedWriter, natural_key, plan_files
-from nd_parallel.checkpoint.format import (MARKER, apply_total_limit, auto_checkpoints, publish, read_dcp_metadata,
-                                           temp_sibling)
+from nd_parallel.checkpoint.format import (
+    MARKER,
+    apply_total_limit,
+    auto_checkpoints,
+    publish,
+    read_dcp_metadata,
+    temp_sibling,
+)
 
 
 def test_streamed_safetensors_read_back_bit_exact(tmp_path):
@@ -155,10 +161,11 @@ def test_two_stages_on_one_rank_keep_hf_names_and_fill_both_tied_copies():
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.checkpoint.names import named_state
-    from nd_parallel.pipeline import _untie
-    from nd_parallel.pipeline.split import model_parts, split_stages
-    from nd_parallel.pipeline.stage import make_stage_module
-    from nd_parallel.toy import tiny_config
+    from nd_parallel.distributed.pipeline import _untie
+    from nd_parallel.distributed.pipeline.split import split_stages
+    from nd_parallel.distributed.pipeline.stage import make_stage_module
+    from nd_parallel.models.hf import model_parts
+    from nd_parallel.testing.models import tiny_config
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=4))

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from nd_parallel.context_parallel.sharding import (
-    padded_length, rank_chunks, shard_batch, token_index, unshard,
+from nd_parallel.distributed.context_parallel.sharding import (
+    padded_length,
+    rank_chunks,
+    shard_batch,
+    token_index,
+    unshard,
 )
 
 

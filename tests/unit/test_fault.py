@@ -209,7 +209,7 @@ def test_process_tree_with_and_without_psutil(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- train YAML keys
 def test_train_yaml_takes_the_fault_keys_also_with_layout_auto(tmp_path):
-    from nd_parallel.train_config import load_train_config
+    from nd_parallel.cli.train.config import load_train_config
 
     (tmp_path / "d.jsonl").write_text('{"text": "a b c"}\n')
     base = (f"base_model: {tmp_path}\ndatasets:\n  - path: {tmp_path / 'd.jsonl'}\n    type: completion\n"

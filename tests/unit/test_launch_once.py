@@ -2,7 +2,7 @@
 
 import pytest
 
-from nd_parallel.launch import LaunchOnce
+from nd_parallel.testing.launch import LaunchOnce
 
 
 def test_result_is_computed_once_and_a_failure_is_remembered():

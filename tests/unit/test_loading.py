@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from nd_parallel import NDParallelPlugin
-from nd_parallel.loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards
-from nd_parallel.toy import save_tiny_model
+from nd_parallel.models.loading import PlainLoadNeeded, build_meta_model, lazy_checkpoint, load_local_shards
+from nd_parallel.testing.models import save_tiny_model
 
 CPU = torch.device("cpu")
 
@@ -244,7 +244,7 @@ def test_only_placements_that_leave_one_box_are_read():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from nd_parallel.loading import check_one_box
+    from nd_parallel.models.loading import check_one_box
 
     check_one_box((_StridedShard(0, split_factor=2), Shard(0)), (2, 2))  # FSDP over a colwise TP weight
     check_one_box((Replicate(), _StridedShard(0, split_factor=2), Shard(0)), (2, 2, 2))  # HSDP over TP
@@ -257,7 +257,7 @@ def test_only_placements_that_leave_one_box_are_read():
 
 def test_reads_in_small_blocks_equal_one_read(root, monkeypatch):
     """Reads go in row blocks, each file mapping released before the next; the result must not depend on it."""
-    import nd_parallel.loading as loading
+    import nd_parallel.models.loading as loading
 
     opened = []
     real = loading.safe_open

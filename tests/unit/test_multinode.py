@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from nd_parallel.cli import main
+from nd_parallel.cli.main import main
+from nd_parallel.cli.train.config import load_train_config
 from nd_parallel.config import ConfigError
-from nd_parallel.fault.chaos import ChaosRun, Fault
+from nd_parallel.fault.launch import Nodes
 from nd_parallel.fault.resume import account, agreed
-from nd_parallel.launch import Nodes
-from nd_parallel.train_config import load_train_config
+from nd_parallel.testing.chaos import ChaosRun, Fault
 from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
 
 
@@ -56,11 +56,11 @@ def test_nodes_torchrun_arguments():
 def test_trainer_callbacks_key(tmp_path, data):
     cfg = load_train_config(_cfg(tmp_path, data, trainer_callbacks=[
         "transformers:PrinterCallback",
-        {"class": "nd_parallel.fault.chaos_inject:ChaosInjector", "args": {"dir": str(tmp_path)}}]))
+        {"class": "nd_parallel.testing.chaos_inject:ChaosInjector", "args": {"dir": str(tmp_path)}}]))
     assert cfg.trainer_callbacks == [{"class": "transformers:PrinterCallback", "args": {}},
-                                     {"class": "nd_parallel.fault.chaos_inject:ChaosInjector",
+                                     {"class": "nd_parallel.testing.chaos_inject:ChaosInjector",
                                       "args": {"dir": str(tmp_path)}}]
-    from nd_parallel.train_callbacks import user_callbacks
+    from nd_parallel.cli.train.callbacks import user_callbacks
 
     built = user_callbacks(cfg.trainer_callbacks)
     assert [type(c).__name__ for c in built] == ["PrinterCallback", "ChaosInjector"]

@@ -8,11 +8,25 @@ import json
 import pytest
 import torch
 
-from nd_parallel.planner import (Cluster, Constraints, Layout, PlannerError, Training, UnitError, model_spec,
-                                 parse_bandwidth, parse_bytes, parse_flops, peak_memory, scale_lr, search, to_json)
+from nd_parallel.planner import (
+    Cluster,
+    Constraints,
+    Layout,
+    PlannerError,
+    Training,
+    UnitError,
+    model_spec,
+    parse_bandwidth,
+    parse_bytes,
+    parse_flops,
+    peak_memory,
+    scale_lr,
+    search,
+    to_json,
+)
 from nd_parallel.planner.memory import inflight, layer_activation_bytes, rank_memory
 from nd_parallel.planner.spec import meta_model
-from nd_parallel.toy import tiny_config
+from nd_parallel.testing.models import tiny_config
 
 GiB = 2**30
 BIG = Cluster(nodes=1, gpus_per_node=8, gpu_memory=10**15)
@@ -331,7 +345,7 @@ def test_lr_scaling():
 
 # ------------------------------------------------------------------------------------------------- entry points
 def test_cli_json_and_errors(tmp_path, capsys):
-    from nd_parallel.cli import main
+    from nd_parallel.cli.main import main
 
     path = tmp_path / "config.json"
     path.write_text(tiny_config("llama").to_json_string())
@@ -359,10 +373,10 @@ def test_parallelism_config_auto(tmp_path):
 
 
 def test_train_yaml_layout_auto(tmp_path):
-    from nd_parallel.cli import load_train_config
+    from nd_parallel.cli.main import load_train_config
+    from nd_parallel.cli.plan import auto_train_layout, scaled_learning_rate
     from nd_parallel.config import ConfigError
-    from nd_parallel.plan_cli import auto_train_layout, scaled_learning_rate
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     model = save_tiny_model("llama", tmp_path / "model")
     (tmp_path / "d.txt").write_text("hello\n")

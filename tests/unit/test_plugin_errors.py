@@ -14,7 +14,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.toy import tiny_config
+from nd_parallel.testing.models import tiny_config
 
 
 def fake_accelerator(num_processes=4, **overrides):
@@ -120,7 +120,7 @@ def test_already_sharded_model_is_refused():
     model = tiny_model()
     plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2)).attach(fake_accelerator(2))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("nd_parallel.parallelize.DTensor", torch.nn.Parameter)
+        mp.setattr("nd_parallel.distributed.parallelize.DTensor", torch.nn.Parameter)
         with pytest.raises(ValueError, match="already holds DTensor parameters"):
             plugin.prepare(model)
 

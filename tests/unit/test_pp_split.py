@@ -4,14 +4,9 @@ import pytest
 import torch.nn as nn
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.pipeline.split import (
-    UnsplittableModel,
-    model_parts,
-    split_stages,
-    stage_ids_for_rank,
-    uniform_layers,
-)
-from nd_parallel.toy import tiny_config
+from nd_parallel.distributed.pipeline.split import split_stages, stage_ids_for_rank, uniform_layers
+from nd_parallel.models.hf import UnsplittableModel, model_parts
+from nd_parallel.testing.models import tiny_config
 from tests.unit.test_plugin_errors import fake_accelerator, no_process_group  # noqa: F401  (fixture)
 
 

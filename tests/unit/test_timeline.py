@@ -1,4 +1,4 @@
-"""Unit tests for nd_parallel.pipeline.timeline: recording, bubble math, trace JSON, picture."""
+"""Unit tests for nd_parallel.distributed.pipeline.timeline: recording, bubble math, trace JSON, picture."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from nd_parallel.pipeline.timeline import (
+from nd_parallel.distributed.pipeline.timeline import (
     Event,
     TimelineRecorder,
     align,

@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.activation_checkpoint import CheckpointedForward, apply_activation_checkpointing
 from nd_parallel.config import ConfigError
-from nd_parallel.precision import check_mixed_precision, policy_for
+from nd_parallel.distributed.activation_checkpoint import CheckpointedForward, apply_activation_checkpointing
+from nd_parallel.distributed.precision import check_mixed_precision, policy_for
 
 from .test_plugin_errors import fake_accelerator, no_process_group, tiny_model  # noqa: F401 (autouse fixture)
 
@@ -92,7 +92,7 @@ def test_checkpointing_changes_no_gradient_in_one_process(mode):
 
 
 def test_hf_switch_is_taken_over():
-    from nd_parallel.activation_checkpoint import requested_mode
+    from nd_parallel.distributed.activation_checkpoint import requested_mode
 
     model = tiny_model(num_hidden_layers=2)
     model.gradient_checkpointing_enable()

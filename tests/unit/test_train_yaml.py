@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from nd_parallel.cli import main
+from nd_parallel.cli.main import main
+from nd_parallel.cli.train.config import load_train_config
 from nd_parallel.config import ConfigError
-from nd_parallel.train_config import load_train_config
 from tests.distributed.train_yaml_helpers import chat_entry, write_model_and_data, write_yaml
 
 # The "typical Axolotl LoRA YAML", keys as users write them.
@@ -93,7 +93,7 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
     assert cfg.parallel.dp_shard_size == 2 and cfg.parallel.activation_checkpointing == "full"
     assert {"wandb_project", "wandb_entity", "group_by_length", "xformers_attention", "flash_attention",
             "early_stopping_patience"} <= set(cfg.unused)
-    from nd_parallel.train_job import trainer_arguments
+    from nd_parallel.cli.train.job import trainer_arguments
 
     args = trainer_arguments(cfg, "x", train_rows=40, eval_rows=4, dp=2)
     # 40 rows over 2 dp ranks, 2 per micro-batch, 2 micro-batches per step: 5 steps per epoch
@@ -138,7 +138,7 @@ def test_fsdp_without_sizes_shards_over_every_rank(tmp_path, data):
 
 # ------------------------------------------------------------------------------------------------ data
 def _prepare(tmp_path, data, **keys):
-    from nd_parallel.data_pipeline import load_prepared, prepare
+    from nd_parallel.cli.train.data import load_prepared, prepare
 
     cfg = load_train_config(write_yaml(tmp_path / "d.yml", {"base_model": data["model"], **keys}))
     prepared = prepare(cfg, tmp_path / "work")
@@ -164,7 +164,7 @@ def test_alpaca_prompt_is_not_trained_and_packing_restarts_positions(tmp_path, d
     pos, labels = packed[0]["position_ids"], packed[0]["labels"]
     starts = [i for i, p in enumerate(pos) if p == 0]
     assert len(starts) >= 2 and all(labels[i] == -100 for i in starts)
-    from nd_parallel.data_pipeline import Collator
+    from nd_parallel.cli.train.data import Collator
 
     batch = Collator(0, pad_to=256)([packed[0]])
     assert batch["position_ids"].shape == (1, 256) and "attention_mask" not in batch
@@ -180,7 +180,7 @@ def test_prepared_data_is_cached_and_pretraining_is_cut_into_blocks(tmp_path, da
 
 
 def test_checkpoint_without_tokenizer_uses_bytes(tmp_path):
-    from nd_parallel.toy import save_tiny_model
+    from nd_parallel.testing.models import save_tiny_model
 
     model = save_tiny_model("llama", tmp_path / "m")
     (tmp_path / "t.txt").write_text("hello\nworld\n")

@@ -1,0 +1,128 @@
+"""Data for `nd-parallel train`, built with `datasets` in the parent process before any rank starts.
+
+    prepared = prepare(cfg, workdir)   # tokenizer + tokenized (and packed) train/eval splits, saved to disk
+    train, eval_, tokenizer = load_prepared(prepared.path)   # what every rank does
+
+Order (Axolotl's): read each `datasets:` entry -> tokenize it with `map` (formats.py) -> drop samples longer than
+sequence_len -> merge and shuffle -> hold out val_set_size -> pack (packing.py). The result is saved under
+`dataset_prepared_path/<fingerprint>` and reused while the data files, tokenizer and settings stay the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from nd_parallel.config import ConfigError
+
+from .collate import Collator
+from .formats import chunk_fn, tokenize_fn
+from .packing import pack_fn
+from .sources import DatasetSpec, load_source
+from .tokenizer import check_sequence_len, load_tokenizer
+
+__all__ = ["Collator", "DatasetSpec", "Prepared", "load_prepared", "prepare"]
+
+
+@dataclass
+class Prepared:
+    path: str
+    """Directory with train/, eval/ (if val_set_size) and tokenizer/."""
+    tokenizer_how: str
+    sources: list[str] = field(default_factory=list)
+    """One line per datasets entry: file, records, samples kept."""
+    train_rows: int = 0
+    eval_rows: int = 0
+    cached: bool = False
+
+
+def _fingerprint(cfg, tokenizer) -> str:
+    """Changes when anything that shapes the tokenized data changes (files by size and mtime)."""
+    stats = []
+    for spec in cfg.datasets:
+        root = spec.resolved
+        files = sorted(root.rglob("*")) if root.is_dir() else [root]
+        stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
+            "shuffle_merged_datasets")
+    state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys},
+             "tokenizer": tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer),
+             "template": tokenizer.chat_template, "added": {str(k): v for k, v in tokenizer.get_added_vocab().items()}}
+    return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
+    raw, where = load_source(spec, cache)
+    fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs)
+    ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
+                 desc=f"tokenizing {spec.path}")
+    if spec.type == "pretraining":
+        ds = ds.map(chunk_fn(cfg.sequence_len), batched=True, desc="cutting into sequence_len blocks")
+    kept = ds.filter(lambda row: 2 <= len(row["input_ids"]) <= cfg.sequence_len, desc="dropping long samples")
+    kept = kept.filter(lambda row: any(t != -100 for t in row["labels"]), desc="dropping untrained samples")
+    if len(kept) == 0:
+        raise ConfigError(f"{where}: none of its {len(raw)} records is left after tokenizing and filtering (samples "
+                          f"must have 2 to sequence_len={cfg.sequence_len} tokens and at least one trained token); "
+                          "raise sequence_len, check 'type:' / the field names, or remove this entry")
+    return kept, f"{where}: {len(raw)} records -> {len(kept)} samples ({spec.type})"
+
+
+def _split(ds, cfg):
+    if not cfg.val_set_size:
+        return ds, None
+    size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
+    if (size if size >= 1 else round(size * len(ds))) >= len(ds) or (size < 1 and round(size * len(ds)) == 0):
+        raise ConfigError(f"val_set_size={cfg.val_set_size} leaves no training or no evaluation samples out of "
+                          f"{len(ds)}; use a share between {1 / len(ds):.3g} and {1 - 1 / len(ds):.3g} or a count")
+    split = ds.train_test_split(test_size=size, shuffle=False, seed=cfg.seed)
+    return split["train"], split["test"]
+
+
+def prepare(cfg, workdir: str | os.PathLike) -> Prepared:
+    """Tokenize, filter, mix, split and pack the YAML's data; see the module docstring."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    tokenizer, how = load_tokenizer(cfg)
+    check_sequence_len(cfg)
+    key = _fingerprint(cfg, tokenizer)
+    root = Path(cfg.dataset_prepared_path) if cfg.dataset_prepared_path else Path(workdir) / "prepared"
+    out = root / key
+    if (out / "done.json").is_file():
+        info = json.loads((out / "done.json").read_text())
+        return Prepared(str(out), how, info["sources"], info["train_rows"], info["eval_rows"], cached=True)
+    parts, lines = [], []
+    for spec in cfg.datasets:
+        ds, line = _tokenized(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
+        parts.append(ds)
+        lines.append(line)
+    merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if cfg.shuffle_merged_datasets and len(parts) > 1:
+        merged = merged.shuffle(seed=cfg.seed)
+    train, evals = _split(merged, cfg)
+    eval_packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
+    if cfg.sample_packing:
+        train = train.map(pack_fn(cfg.sequence_len), batched=True, batch_size=1000, desc="packing")
+    if evals is not None and eval_packing:
+        evals = evals.map(pack_fn(cfg.sequence_len), batched=True, batch_size=1000, desc="packing eval")
+    train.save_to_disk(str(out / "train"))
+    if evals is not None:
+        evals.save_to_disk(str(out / "eval"))
+    tokenizer.save_pretrained(str(out / "tokenizer"))
+    info = {"sources": lines, "train_rows": len(train), "eval_rows": len(evals) if evals is not None else 0}
+    (out / "done.json").write_text(json.dumps(info))  # last: a half-written folder is never reused
+    return Prepared(str(out), how, lines, info["train_rows"], info["eval_rows"])
+
+
+def load_prepared(path: str):
+    """(train, eval or None, tokenizer) saved by `prepare`: what each rank reads."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    root = Path(path)
+    train = datasets.load_from_disk(str(root / "train"))
+    evals = datasets.load_from_disk(str(root / "eval")) if (root / "eval").is_dir() else None
+    return train, evals, AutoTokenizer.from_pretrained(str(root / "tokenizer"))

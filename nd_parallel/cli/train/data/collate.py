@@ -1,0 +1,30 @@
+"""Batches for the Trainer: right padding (labels -100), to the longest row or to sequence_len."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nd_parallel.distributed.loss import IGNORE_INDEX
+
+
+@dataclass
+class Collator:
+    pad_id: int
+    pad_to: int | None = None
+    """Pad every batch to this length (pad_to_sequence_len / sample_packing), else to its longest row."""
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        length = self.pad_to or max(len(r["input_ids"]) for r in rows)
+        packed = "position_ids" in rows[0]
+        out = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        for r in rows:
+            ids, pad = list(r["input_ids"]), length - len(r["input_ids"])
+            out["input_ids"].append(ids + [self.pad_id] * pad)
+            out["labels"].append(list(r["labels"]) + [IGNORE_INDEX] * pad)
+            if packed:  # the padding is one more "document" (positions from 0) that no real token attends to
+                out["position_ids"].append(list(r["position_ids"]) + list(range(pad)))
+            else:
+                out["attention_mask"].append([1] * len(ids) + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}

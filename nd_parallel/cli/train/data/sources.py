@@ -1,0 +1,182 @@
+"""Axolotl's `datasets:` entries: parsed and checked (`DatasetSpec`), then read from local files with `datasets`.
+
+Only local data is read (files, directories of files, or a `save_to_disk` directory): nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nd_parallel.config import ConfigError
+
+TYPES = ("completion", "alpaca", "chat_template", "pretraining")
+# Axolotl's names for the same formats.
+TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None}
+DS_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
+            ".txt": "text"}
+# Axolotl's default role names (chat_template strategy): dataset role -> template role.
+DEFAULT_ROLES = {"user": ["user", "human"], "assistant": ["assistant", "gpt", "model"], "system": ["system"],
+                 "tool": ["tool"]}
+
+
+def suggest(key: str, choices) -> str:
+    """'did you mean ...?' for a mistyped key, else the valid keys."""
+    close = difflib.get_close_matches(key, sorted(choices), n=1)
+    return f"did you mean {close[0]!r}?" if close else "valid keys are: " + ", ".join(sorted(choices))
+
+
+@dataclass
+class DatasetSpec:
+    """One `datasets:` entry, with Axolotl's key names and defaults."""
+
+    path: str
+    """Local file or directory (json/jsonl/parquet/csv/arrow/txt files, or a `save_to_disk` directory)."""
+    type: str = "completion"
+    """completion | alpaca | chat_template | pretraining (Axolotl's meanings)."""
+    ds_type: str | None = None
+    """json | parquet | csv | arrow | text; default: from the file extension."""
+    split: str = "train"
+    """Split to read (Axolotl's default "train")."""
+    data_files: str | list[str] | None = None
+    """Files inside `path` (or absolute) to read instead of everything in it."""
+    field: str | None = None
+    """completion/pretraining: the text column (default "text")."""
+    field_messages: str = "messages"
+    """chat_template: the column holding the list of turns."""
+    message_property_mappings: dict[str, str] = dataclasses.field(default_factory=lambda: {"role": "role", "content": "content"})
+    """chat_template: turn keys, {role: KEY, content: KEY} (Axolotl >= 0.8)."""
+    message_field_role: str | None = None
+    """chat_template: older name of message_property_mappings.role."""
+    message_field_content: str | None = None
+    """chat_template: older name of message_property_mappings.content."""
+    roles: dict[str, list[str]] | None = None
+    """chat_template: template role -> the dataset's names for it (default: Axolotl's user/assistant/system/tool)."""
+    roles_to_train: list[str] = dataclasses.field(default_factory=lambda: ["assistant"])
+    """chat_template: template roles whose turns are trained on (Axolotl's default: assistant)."""
+    train_on_eos: str = "turn"
+    """chat_template: "turn" (the end-of-turn tokens of trained turns are trained, Axolotl's default)."""
+    base_dir: str = ""
+    """Directory relative paths are resolved against (the working directory, as in Axolotl); not a YAML key."""
+
+    @property
+    def role_map(self) -> dict[str, str]:
+        """dataset role name -> template role."""
+        roles = self.roles or DEFAULT_ROLES
+        return {name: role for role, names in roles.items() for name in names}
+
+    @property
+    def role_key(self) -> str:
+        return self.message_field_role or self.message_property_mappings.get("role", "role")
+
+    @property
+    def content_key(self) -> str:
+        return self.message_field_content or self.message_property_mappings.get("content", "content")
+
+    @property
+    def text_field(self) -> str:
+        return self.field or "text"
+
+    @property
+    def resolved(self) -> Path:
+        path = Path(self.path).expanduser()
+        return path if path.is_absolute() else Path(self.base_dir) / path
+
+
+_KEYS = {f.name for f in dataclasses.fields(DatasetSpec)} - {"base_dir"}
+# Keys Axolotl accepts in an entry that change nothing here when left at their default.
+_INERT = {"name": None, "shards": None, "revision": None, "trust_remote_code": False, "drop_system_message": False,
+          "preprocess_shards": None, "conversation": None, "train_on_split": None}
+
+
+def dataset_specs(path, datasets: Any, dataset_path: Any = None) -> list[DatasetSpec]:
+    """The `datasets:` list (or our older `dataset_path:` string) of the YAML file `path`, checked."""
+    if (datasets is None) == (dataset_path is None):
+        raise ConfigError(f"{path}: give the data as 'datasets: [{{path: data.jsonl, type: completion}}]' "
+                          "(or 'dataset_path: data.txt'), exactly one of them")
+    if dataset_path is not None:
+        datasets = [{"path": dataset_path}]
+    if not isinstance(datasets, list) or not datasets:
+        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, ...}} mappings")
+    base = os.getcwd()
+    return [_spec(path, i, entry, base) for i, entry in enumerate(datasets)]
+
+
+def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
+    entry = {"path": entry} if isinstance(entry, str) else entry
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
+    entry = dict(entry)
+    for key, default in _INERT.items():
+        if key in entry and entry.pop(key) not in (default, None):
+            raise ConfigError(f"{path}: datasets[{i}].{key} is not supported by nd-parallel train; drop it (point "
+                              "'path' at local files), or run the YAML with Axolotl and the nd_parallel plugin")
+    for key in entry:
+        if key not in _KEYS:
+            raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {suggest(key, _KEYS)}")
+    kind = entry.get("type", "completion")
+    if not isinstance(kind, str) or kind not in TYPES and TYPE_ALIASES.get(kind) is None:
+        fix = ("type: chat_template with field_messages: conversations and message_property_mappings: {role: from, "
+               "content: value}" if kind in ("sharegpt", "alpaca_chat") else f"one of {', '.join(TYPES)}")
+        raise ConfigError(f"{path}: datasets[{i}].type={kind!r} is not supported by nd-parallel train; use {fix}, "
+                          "or run the YAML with Axolotl and the nd_parallel plugin")
+    entry["type"] = TYPE_ALIASES.get(kind) or kind
+    spec = DatasetSpec(**entry, base_dir=base)
+    if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
+        raise ConfigError(f"{path}: datasets[{i}].ds_type={spec.ds_type!r}; use one of "
+                          f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
+    if spec.train_on_eos not in ("turn", "none"):
+        raise ConfigError(f"{path}: datasets[{i}].train_on_eos={spec.train_on_eos!r}; use 'turn' or 'none'")
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------- reading
+def _files(spec: DatasetSpec) -> list[Path]:
+    root = spec.resolved
+    if spec.data_files is not None:
+        names = [spec.data_files] if isinstance(spec.data_files, str) else list(spec.data_files)
+        base = root if root.is_dir() else root.parent
+        files = [Path(n) if Path(n).is_absolute() else base / n for n in names]
+    elif root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.suffix in DS_TYPES and p.is_file())
+    else:
+        files = [root]
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"dataset file {str(file)!r} does not exist (datasets entry path={spec.path!r}); "
+                              "fix the path (relative paths start at the YAML's directory) or create the file")
+    if not files:
+        raise ConfigError(f"dataset directory {str(root)!r} holds no {'/'.join(DS_TYPES)} files; point "
+                          "'path' at the files, or list them in data_files")
+    return files
+
+
+def load_source(spec: DatasetSpec, cache_dir: str):
+    """The spec's split as a `datasets.Dataset` (plus a `_source` label per record for error messages)."""
+    import datasets
+
+    root = spec.resolved
+    if root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
+                                                      or (root / "dataset_dict.json").is_file()):
+        loaded = datasets.load_from_disk(str(root))
+        if isinstance(loaded, datasets.DatasetDict):
+            if spec.split not in loaded:
+                raise ConfigError(f"{root}: no split {spec.split!r} (it has {', '.join(loaded)}); set 'split:'")
+            loaded = loaded[spec.split]
+        return loaded, str(root)
+    files = _files(spec)
+    kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise ConfigError(f"{spec.path}: cannot tell the format of {', '.join(map(str, files))}; set ds_type: "
+                          "json, parquet, csv, arrow or text, and keep one format per datasets entry")
+    kind = kinds.pop()
+    try:
+        loaded = datasets.load_dataset(kind, data_files={spec.split: [str(f) for f in files]}, split=spec.split,
+                                       cache_dir=cache_dir)
+    except Exception as err:  # the reader's own message, with the file named
+        raise ConfigError(f"cannot read {', '.join(map(str, files))} as {kind}: {err}") from None
+    return loaded, ", ".join(map(str, files))

@@ -1,0 +1,88 @@
+"""The run's tokenizer: the checkpoint's (or tokenizer_config's), with the YAML's special tokens, tokens and chat
+template applied; a byte-level one (byte_tokenizer, below) for a directory without tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nd_parallel.config import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_config(cfg) -> dict:
+    path = Path(cfg.base_model_config or cfg.base_model) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"base_model {cfg.base_model!r} is not a Hugging Face checkpoint directory (no "
+                          f"{path.name}); point it at a local checkpoint, or create a tiny one with "
+                          "`nd-parallel make-tiny DIR`")
+    config = json.loads(path.read_text())
+    return config.get("text_config", config) if "vocab_size" not in config else config
+
+
+def check_sequence_len(cfg) -> None:
+    limit = model_config(cfg).get("max_position_embeddings")
+    if limit is not None and cfg.sequence_len > limit:
+        raise ConfigError(f"sequence_len={cfg.sequence_len} is beyond the model's max_position_embeddings={limit} "
+                          f"({cfg.base_model_config or cfg.base_model}/config.json); use sequence_len <= {limit}")
+
+
+def load_tokenizer(cfg):
+    """(tokenizer, how the text is tokenized)."""
+    source = cfg.tokenizer_config or cfg.base_model
+    if any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        extra = {} if cfg.trust_remote_code is None else {"trust_remote_code": cfg.trust_remote_code}
+        tokenizer, how = AutoTokenizer.from_pretrained(source, **extra), f"tokenizer of {source}"
+    else:
+        tokenizer, how = byte_tokenizer(), f"byte-level ids: no tokenizer files in {source}"
+    if cfg.chat_template == "jinja":
+        if not cfg.chat_template_jinja:
+            raise ConfigError("chat_template: jinja needs chat_template_jinja: '{% for message in messages %}...'")
+        tokenizer.chat_template = cfg.chat_template_jinja
+    if cfg.special_tokens:
+        tokenizer.add_special_tokens(dict(cfg.special_tokens))
+    if cfg.tokens:
+        tokenizer.add_tokens(list(cfg.tokens))
+    if tokenizer.pad_token is None:  # Axolotl's habit too: padding is never trained on, so EOS may stand in
+        tokenizer.pad_token = tokenizer.eos_token
+    vocab = model_config(cfg).get("vocab_size")
+    top = max(tokenizer.get_vocab().values())
+    if vocab is not None and top >= vocab and not (cfg.special_tokens or cfg.tokens):
+        raise ConfigError(f"the tokenizer of {source} has ids up to {top}, beyond the model's vocab_size={vocab}; "
+                          "use the checkpoint's own tokenizer (tokenizer_config)")
+    return tokenizer, how
+
+
+def byte_tokenizer():
+    """One token per UTF-8 byte (ids 2-255 are the byte values), <pad> = 0 and </s> = 1 in place of the two
+    control bytes no text uses: what `nd-parallel train` did before it read tokenizers, kept for checkpoint
+    directories that have none. It has no chat template, so chat_template datasets need a real tokenizer."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    # The byte -> printable-character map ByteLevel uses; position i of the alphabet is not byte i, so rebuild it.
+    to_char = _bytes_to_unicode()
+    vocab = {to_char[b]: b for b in range(2, 256)} | {"<pad>": 0, "</s>": 1}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    model.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    model.decoder = decoders.ByteLevel()
+    model.add_special_tokens(["<pad>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="</s>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> character table (the one tokenizers' ByteLevel pre-tokenizer applies)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

@@ -1,0 +1,42 @@
+"""FSDP2 / HSDP / replication with ``fully_shard``: one group per decoder layer, plus the root."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from nd_parallel.models.hf import decoder_layers
+
+logger = logging.getLogger(__name__)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> int:
+    """Shard ``model`` in place over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP). Returns the number of groups.
+
+    Gradients are *summed*, not averaged, across data-parallel ranks: the loss each rank backpropagates is
+    already its share of the global-token mean (see ``loss.py``), so the sum is the true gradient.
+    """
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root keeps embeddings, final norm and lm_head (tied or not) in one group; they are needed first in
+    # backward, so they are not resharded after forward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in groups:
+        module.set_gradient_divide_factor(1.0)
+        # A custom factor otherwise selects PREMUL_SUM, which gloo lacks; with factor 1 a plain SUM is exact.
+        module.set_force_sum_reduction_for_comms(True)
+    kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
+    logger.info("applied %s over %s ranks to %d layers + root", kind, "x".join(map(str, dp_mesh.shape)), len(layers))
+    return len(groups)

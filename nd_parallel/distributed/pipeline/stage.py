@@ -1,0 +1,138 @@
+"""Build one pipeline stage from an HF causal LM without rewriting the model.
+
+A stage is a *skeleton copy* of the model: the same module objects for what the stage owns, parameter-free
+stand-ins for the rest (a pass-through for another stage's decoder layer, identity for another stage's
+norm/head). The stage then runs the model's own ``forward`` — so attention masks, rotary embeddings,
+per-layer attention types and embedding scaling are computed by transformers exactly as in one process —
+and the activation received from the previous stage is injected at the input of the first layer it owns.
+Parameter names stay the HF names because the skeleton keeps the model's module tree.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+import torch.nn as nn
+
+from nd_parallel.models.hf import ModelParts
+
+from .split import StageSpec
+
+
+class PassThrough(nn.Module):
+    """Stands in for a decoder layer that another stage owns: hands its hidden states on untouched."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class ZeroStandIn(nn.Module):
+    """Stands in for an input module another stage owns (e.g. GPT-2's position embedding).
+
+    Later stages replace the first layer's input anyway; a 0-d zero keeps whatever the model adds it to
+    (``inputs_embeds + wpe(position_ids)``) well-formed without knowing the module's output shape.
+    """
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        return torch.zeros((), dtype=self.dtype, device=device)
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing parameters/children with ``module`` but with its own containers and hooks."""
+    new = copy.copy(module)
+    for attr, value in vars(module).items():
+        if isinstance(value, (dict, OrderedDict)) and (attr in ("_modules", "_parameters", "_buffers") or "hook" in attr):
+            setattr(new, attr, type(value)(value))
+    return new
+
+
+def _copy_path(root: nn.Module, fqn: str) -> nn.Module:
+    """Make every module on the path to ``fqn`` (exclusive) a private copy in ``root``; return the parent."""
+    parent = root
+    for atom in fqn.split(".")[:-1]:
+        child = parent._modules[atom]
+        if not getattr(child, "_nd_private", False):  # copy each module on the path once
+            child = _shallow_copy(child)
+            child._nd_private = True
+            parent._modules[atom] = child
+        parent = child
+    return parent
+
+
+def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent = _copy_path(root, fqn)
+    parent._modules[fqn.rpartition(".")[2]] = new
+
+
+def build_skeleton(model: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int) -> nn.Module:
+    """The stage's copy of ``model``: owned modules shared, every other module replaced by a stand-in."""
+    skeleton = _shallow_copy(model)
+    owned = set(spec.layers)
+    layers = _copy_path(skeleton, parts.layers_fqn + ".x")  # the ModuleList itself, privately copied
+    for i in range(parts.num_layers):
+        if i not in owned:
+            layers._modules[str(i)] = PassThrough()
+    if spec.index != 0:
+        dtype = next(model.parameters()).dtype
+        for fqn in parts.pre:
+            _replace(skeleton, fqn, ZeroStandIn(dtype))
+    if spec.index != num_stages - 1:
+        for fqn in parts.post:
+            _replace(skeleton, fqn, nn.Identity())
+    return skeleton
+
+
+class StageRunner:
+    """The forward of one stage, installed on its skeleton: model forward + activation injection."""
+
+    def __init__(self, skeleton: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int):
+        self.is_first = spec.index == 0
+        self.is_last = spec.index == num_stages - 1
+        self.causal_lm_forward = type(skeleton).forward.__get__(skeleton)
+        base_fqn = parts.layers_fqn.rpartition(".")[0]
+        self.base = skeleton.get_submodule(base_fqn) if base_fqn else skeleton
+        self.injected: torch.Tensor | None = None
+        if not self.is_first and spec.layers:
+            first = skeleton.get_submodule(f"{parts.layers_fqn}.{spec.layers[0]}")
+            first.register_forward_pre_hook(self._inject, with_kwargs=True)
+        elif not self.is_first:
+            # A last stage with no layer: the activation goes straight to the final norm / head.
+            first = skeleton.get_submodule(parts.post[0])
+            first.register_forward_pre_hook(self._inject, with_kwargs=True)
+
+    def _inject(self, module, args, kwargs):
+        if self.injected is None:
+            return None
+        hidden, self.injected = self.injected, None
+        if args:
+            return (hidden, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    def __call__(self, x: torch.Tensor, attention_mask=None, position_ids=None, **extra) -> torch.Tensor:
+        # extra: per-row tensors the attention needs besides the mask (context parallelism's key metadata)
+        common = dict(attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra)
+        if self.is_first:
+            inputs = dict(input_ids=x)
+        else:
+            # transformers needs *some* input to derive shapes, masks and positions; the real activation
+            # replaces these zeros at the first owned layer (after any embedding scaling, which zeros ignore).
+            self.injected = x
+            inputs = dict(inputs_embeds=torch.zeros_like(x))
+        if self.is_last:
+            return self.causal_lm_forward(**inputs, **common).logits
+        return self.base(**inputs, **common).last_hidden_state
+
+
+def make_stage_module(model: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int) -> nn.Module:
+    skeleton = build_skeleton(model, parts, spec, num_stages)
+    runner = StageRunner(skeleton, parts, spec, num_stages)
+    skeleton.forward = runner  # instance attribute: nn.Module.__call__ runs it, hooks (FSDP's too) still fire
+    skeleton._nd_stage_runner = runner
+    return skeleton

@@ -1,0 +1,179 @@
+"""Tensor parallelism from the model's own ``tp_plan``.
+
+The plan is data: transformers ships one per model family (``model.tp_plan``: module-name patterns ->
+style names such as ``"colwise"``). We read that plan, merge the user's overrides, and apply it with
+torch's ``parallelize_module`` and its ``ParallelStyle`` classes. Why torch's styles and not
+transformers' own ``apply_tensor_parallelism``: its signature and style classes changed between 5.16 and
+5.24 (it is an internal of their loading path), while torch's styles are a stable API that is designed
+to compose with ``fully_shard`` and DCP, which the rest of nd_parallel builds on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from nd_parallel.models import hf
+from nd_parallel.models.peft import KeepRequiresGrad, expand_plan
+
+logger = logging.getLogger(__name__)
+
+
+def _replicated_with_grad_allreduce() -> ParallelStyle:
+    # Used for per-head norms (Qwen3/Gemma3 q_norm, k_norm): the weight is whole on every TP rank, but each
+    # rank normalises only its own heads, so the weight gradient is a partial sum that must be all-reduced
+    # over TP. torch's SequenceParallel does exactly that: weights become Replicate DTensors and the input
+    # is declared sharded on a non-normalised dim. Any dim except the last one is equivalent for a norm
+    # over the last dim, and dim 0 exists for every input shape.
+    return SequenceParallel(sequence_dim=0, use_local_output=True)
+
+
+# HF style name -> factory of the torch ParallelStyle with the same input/output layouts.
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": _replicated_with_grad_allreduce,
+}
+
+
+def check_styles(plan: dict[str, str | None]) -> None:
+    """Every style named in a plan must be one we can apply (None = keep the module replicated)."""
+    for key, style in plan.items():
+        if style is None:
+            continue
+        if style not in STYLES:
+            close = difflib.get_close_matches(style, STYLES, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise NotImplementedError(
+                f"tp_plan entry '{key}': '{style}' is not a supported style; {hint}supported: {sorted(STYLES)}. "
+                f"To keep that module replicated instead, pass tp_plan={{'{key}': None}}"
+            )
+
+
+def resolve_plan(model: nn.Module, overrides: dict[str, str | None] | None) -> dict[str, str]:
+    """Merge overrides into the model's plan (None removes an entry) and validate the style names."""
+    plan = hf.tp_plan(model)
+    for key, style in (overrides or {}).items():
+        if style is None:
+            plan.pop(key, None)
+        else:
+            plan[key] = style
+    check_styles(plan)
+    return plan
+
+
+def _pattern_to_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Concrete module name -> style for every module a plan pattern matches (first match wins)."""
+    compiled = [(_pattern_to_regex(k), v) for k, v in plan.items()]
+    matched = {}
+    for name, module in model.named_modules():
+        if next(module.parameters(), None) is None:  # pipeline stand-ins for modules another stage owns
+            continue
+        for regex, style in compiled:
+            if regex.match(name):
+                matched[name] = style
+                break
+    return matched
+
+
+def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
+    """PEFT adapters on modules the plan shards must be splittable (checked before any collective)."""
+    expand_plan(model, match_plan(model, resolve_plan(model, overrides)))
+
+
+def check_divisibility(model: nn.Module, tp_size: int) -> None:
+    """Refuse tp sizes that do not split the attention heads evenly (checked before any collective)."""
+    cfg = hf.text_config(model)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    for label, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and value % tp_size != 0:
+            divisors = [d for d in range(1, value + 1) if value % d == 0]
+            raise ValueError(
+                f"tp_size={tp_size} does not divide {label}={value} of {type(model).__name__}; "
+                f"use tp_size in {divisors}"
+            )
+
+
+def check_model(model: nn.Module, config) -> None:
+    """Everything TP needs from a model under ``config`` (tp_size > 1), checked before any collective."""
+    check_divisibility(model, config.tp_size)
+    if not resolve_plan(model, config.tp_plan):
+        raise ValueError(
+            f"{type(model).__name__} has no tp_plan, so tp_size={config.tp_size} cannot shard it; pass "
+            "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
+    check_adapters(model, config.tp_plan)
+
+
+def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
+    """Keep the vocab-sharded embedding / lm_head only where that is exact and consistent."""
+    emb, head = hf.slot_name(model, "get_input_embeddings"), hf.slot_name(model, "get_output_embeddings")
+    here = [n for n in (emb, head) if n in matched]
+    if not here:
+        return matched
+    cfg = hf.text_config(model)
+    # Tied-ness from the config, not object identity: a pipeline stage may hold only one of the pair.
+    tied = hf.ties_embeddings(cfg)
+    patterns = [_pattern_to_regex(k) for k in plan]
+    in_plan = lambda name: name is not None and any(r.match(name) for r in patterns)  # noqa: E731
+    reason = None
+    if cfg.vocab_size % tp_size:
+        reason = f"vocab size {cfg.vocab_size} is not divisible by tp_size={tp_size}"
+    elif tied and not (in_plan(emb) and in_plan(head)):
+        reason = "the embedding and lm_head share one weight but the plan shards only one of them"
+    if reason:
+        logger.info("keeping %s replicated: %s", " and ".join(here), reason)
+        return {k: v for k, v in matched.items() if k not in here}
+    return matched
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None) -> int:
+    """Shard ``model`` in place over ``tp_mesh`` following its plan. Returns the number of modules sharded."""
+    tp_size = tp_mesh.size()
+    check_divisibility(model, tp_size)
+    plan = resolve_plan(model, plan_overrides)
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tp_plan (config.base_model_tp_plan is empty), so tp_size={tp_size} "
+            "cannot shard it; pass ParallelismConfig(tp_plan={...}) with entries such as "
+            "{'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}, or use tp_size=1"
+        )
+    matched = match_plan(model, plan)
+    if not matched:
+        raise ValueError(
+            f"no module of {type(model).__name__} matches its tp_plan {sorted(plan)}; check the override names"
+        )
+    matched = _vocab_entries(model, plan, matched, tp_size)
+    # A plan names HF modules; where PEFT wrapped one, its base layer takes the style and the adapter follows it.
+    matched = expand_plan(model, matched)
+    emb, head = hf.embedding_and_head(model)
+    tied = hf.shares_embedding(model)
+    with KeepRequiresGrad(model):
+        parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in matched.items()})
+    if tied:
+        # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
+        # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.
+        head.weight = emb.weight
+    logger.info("applied TP over %d ranks to %d modules", tp_size, len(matched))
+    return len(matched)

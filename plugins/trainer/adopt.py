@@ -1,0 +1,162 @@
+"""Run an unchanged ``transformers.Trainer`` under a layout: what ``nd_parallel.plugins.trainer`` calls.
+
+The Trainer (5.16 - 5.24) creates its Accelerator inside ``__init__`` and prepares the model, optimizer and
+dataloaders only in ``train()`` / the first ``evaluate()``, all through that Accelerator. So attaching the plugin
+to it between the two (``adopt``) routes prepare, backward, clipping and state dicts through nd_parallel. Four
+Trainer habits still have to be turned, on this one Trainer instance:
+
+- **Loss normalisation.** With ``average_tokens_across_devices`` the Trainer all-gathers its token count over
+  *every* process and multiplies the loss by ``num_processes // tp_size``: under PP/CP (ranks sharing a batch)
+  that counts tokens twice, and our gradients are summed, not averaged. With it off, the Trainer passes this
+  rank's own count over the accumulated micro-batches, which is exactly the caller-given count loss.py adds over
+  the dp ranks: the loss is then the global-token mean of the whole accumulated batch, on every rank.
+- **Gradient norm.** Its "mixed mesh" norm (for FSDP2xTP2 grads on two meshes) neither sums pipeline stages nor
+  skips a tied copy; ``accelerator.clip_grad_norm_`` (ours) does both.
+- **Checkpoints.** Outside its FSDP/DeepSpeed branches the Trainer saves ``save_pretrained`` weights and a rank-0
+  ``torch.save`` of the optimizer, i.e. one rank's shards. Its model / optimizer / RNG save and load steps go to
+  ``accelerator.save_state`` / ``load_state`` (sharded DCP, loadable under another layout) in
+  ``<checkpoint>/nd_parallel``; ``trainer_state.json``, rotation and the data position stay the Trainer's.
+- **save_model.** ``accelerator.save_model``: the full HF model, or the adapter of a PEFT model.
+- **Evaluation model.** The evaluation loop runs ``_wrap_model(self.model)``, and ``self.model`` stays the model
+  given to the Trainer. Where prepare returned another module (the pipeline's ``PipelineModel``: the stages were
+  split off the HF model, which keeps stale weights) it would evaluate that stale unsplit model; it gets the
+  prepared one (``model_wrapped``), whose ``eval()`` + ``no_grad`` forward runs the forward-only schedule.
+
+TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
+master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,
+where the plugin turns HF's off and applies its own "full" mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+logger = logging.getLogger("nd_parallel")
+
+STATE_DIR = "nd_parallel"  # inside the Trainer's checkpoint-<step> folder
+
+
+def check_trainer_args(args, accelerator, config) -> None:
+    """TrainingArguments that would make Accelerate parallelize on its own, refused before any collective."""
+    fights = []
+    if getattr(args, "fsdp", None):
+        fights.append((f"fsdp={args.fsdp!r}", "drop fsdp= (dp_shard_size shards the model)"))
+    if getattr(args, "deepspeed", None):
+        fights.append((f"deepspeed={args.deepspeed!r}", "drop deepspeed= (nd_parallel shards the model; for "
+                       "DeepSpeed's pipeline use ParallelismConfig(pp_backend='deepspeed'))"))
+    if getattr(args, "parallelism_config", None) is not None or getattr(accelerator, "parallelism_config", None):
+        fights.append(("Accelerate's parallelism_config", "drop TrainingArguments(parallelism_config=...) and "
+                       "do not load the model with tp_plan=/device_mesh=: pass the layout to NDParallelCallback"))
+    if (getattr(args, "tp_size", 1) or 1) > 1:
+        fights.append((f"tp_size={args.tp_size}", "drop it and pass ParallelismConfig(tp_size=...)"))
+    if fights:
+        what, fix = fights[0]
+        raise ValueError(f"TrainingArguments {what} fights the nd_parallel layout ({config.describe()}); {fix}")
+    if config.pp_size > 1 and config.pp_backend == "deepspeed" and str(getattr(args, "eval_strategy", "no")) not in (
+            "no", "IntervalStrategy.NO"):
+        raise NotImplementedError(_DS_EVAL)
+
+
+# Evaluation under pp_backend='torch' runs its forward-only schedule (PipelineModel.supports_eval); DeepSpeed's
+# engine would refuse at the first evaluate(), after training has started: refused here, before any collective.
+_DS_EVAL = ("TrainingArguments(eval_strategy=...) with pp_backend='deepspeed': its pipeline engine runs training "
+            "steps only, so Trainer.evaluate() cannot run; use pp_backend='torch' (forward-only schedule: eval loss "
+            "and logits) or eval_strategy='no'")
+
+
+def check_own_loss(trainer, config) -> None:
+    """Refuse Trainer subclasses known to compute the loss themselves where that loss would be wrong.
+
+    TRL's SFTTrainer (1.x) divides summed per-token log-probs from a fused head (``fused_lm_head=True``) by this
+    rank's own token count, so nd_parallel's global-token loss never runs: with data parallelism the summed
+    gradients come out dp times too large (measured: 2.0x the one-process grad norm under FSDP2, TRL 1.16); its
+    loss does not see sequence shards (CP) and it reads log-probs a pipeline does not return (PP). Where every rank
+    holds the whole batch and the whole sequence (tp only) its loss is exact.
+    """
+    names = {cls.__name__ for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")}
+    if "SFTTrainer" not in names:
+        return
+    others = {k: v for k, v in config.sizes.items() if k != "tp" and v > 1}
+    if others:
+        sizes = ", ".join(f"{k}_size={v}" for k, v in others.items())
+        raise NotImplementedError(
+            f"TRL's SFTTrainer computes its own loss from per-rank token counts (fused_lm_head), which is not the "
+            f"global-token mean under {sizes}: its gradients would be wrong. Use transformers.Trainer with a "
+            "data collator for your SFT data (its loss is nd_parallel's), or a layout with only tp_size > 1")
+
+
+def adopt(trainer, plugin) -> None:
+    """Attach ``plugin`` to ``trainer.accelerator`` and turn the Trainer habits listed in the module docstring."""
+    check_trainer_args(trainer.args, trainer.accelerator, plugin.config)
+    check_own_loss(trainer, plugin.config)
+    plugin.attach(trainer.accelerator)
+    trainer.args.average_tokens_across_devices = False
+    trainer._mixed_mesh_grads = False  # 5.24: cached answer of _has_mixed_mesh_grads; older versions ignore it
+    trainer._has_mixed_mesh_grads = lambda model: False
+    trainer._nd_parallel_wrap_model = trainer._wrap_model
+    for name, fn in (("save_model", _save_model), ("_wrap_model", _wrap_model),
+                     ("_save_optimizer_and_scheduler", _save_state), ("_load_optimizer_and_scheduler", _load_state),
+                     ("_save_rng_state", _nothing), ("_load_rng_state", _nothing),
+                     ("_load_from_checkpoint", _nothing)):
+        setattr(trainer, name, types.MethodType(fn, trainer))
+    trainer.nd_parallel = plugin
+    if plugin.config.save_on_signal:  # a checkpoint after the step in which SIGTERM/SIGINT came (fault/)
+        from .preemption import PreemptionCallback
+
+        trainer.add_callback(PreemptionCallback(plugin))
+
+
+def _nothing(trainer, *args, **kwargs) -> None:
+    """Model weights and RNG states are part of the sharded checkpoint (_save_state / _load_state)."""
+
+
+def _register_scheduler(trainer) -> None:
+    # The Trainer steps its scheduler itself, without accelerator.prepare: register it so the checkpoint has it.
+    sched = getattr(trainer, "lr_scheduler", None)
+    accelerator = trainer.accelerator
+    if sched is not None and all(o is not sched for o in accelerator._custom_objects):
+        accelerator.register_for_checkpointing(sched)
+
+
+def _save_state(trainer, output_dir: str) -> None:
+    _register_scheduler(trainer)
+    trainer.accelerator.save_state(os.path.join(output_dir, STATE_DIR))
+
+
+def _load_state(trainer, checkpoint: str | None) -> None:
+    if checkpoint is None:
+        return
+    path = os.path.join(checkpoint, STATE_DIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ folder: it was not saved by a Trainer with "
+                                "NDParallelCallback; resume from a checkpoint written under nd_parallel")
+    _register_scheduler(trainer)
+    accelerator = trainer.accelerator
+    # The Trainer puts its dataloader back itself (epochs trained + skip_first_batches); ours must not skip too.
+    loaders, accelerator._dataloaders = accelerator._dataloaders, []
+    try:
+        accelerator.load_state(path)
+    finally:
+        accelerator._dataloaders = loaders
+
+
+def _wrap_model(trainer, model, training: bool = True, dataloader=None):
+    wrapped = trainer.model_wrapped
+    if not training and model is trainer.model and wrapped is not model and wrapped is not None:
+        return wrapped  # see "Evaluation model" in the module docstring
+    return trainer._nd_parallel_wrap_model(model, training=training, dataloader=dataloader)
+
+
+def _save_model(trainer, output_dir: str | None = None, _internal_call: bool = False) -> None:
+    output_dir = output_dir or trainer.args.output_dir
+    model = trainer.model_wrapped
+    from nd_parallel.models.peft import peft_wrapper
+
+    if _internal_call and peft_wrapper(model) is None:
+        return  # a checkpoint: the full weights are in its sharded state already
+    trainer.accelerator.save_model(model, output_dir)
+    if trainer.accelerator.is_main_process and trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+
