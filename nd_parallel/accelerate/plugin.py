@@ -28,10 +28,7 @@ from nd_parallel.distributed.precision import check_mixed_precision, policy_for
 from nd_parallel.distributed.tensor_parallel import check_styles
 from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models import peft as adapters
-from nd_parallel.models.loading import (
-    PlainLoadNeeded,
-    build_meta_model,
-)
+from nd_parallel.models.loading import from_pretrained as load_pretrained
 
 logger = logging.getLogger("nd_parallel")
 
@@ -373,7 +370,7 @@ class NDParallelPlugin:
         """Load a causal LM from a local safetensors checkpoint directory without reading its weights yet.
 
         The model comes back on the meta device; ``accelerator.prepare`` splits and shards it, then each rank
-        reads from the safetensors files only the slices it owns (loading.py). The parameters equal those of a
+        reads from the safetensors files only the slices it owns (``nd_parallel.models.loading``). The parameters equal those of a
         plain ``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)``. Where that cannot be promised (a hub
         id, weights transformers converts on load, arguments such as ``device_map``) the plain path is taken,
         with a warning; ``memory_efficient=False`` takes it always (e.g. to use the model before ``prepare``).
@@ -381,23 +378,4 @@ class NDParallelPlugin:
         ``peft_config`` (e.g. ``LoraConfig``): returns ``get_peft_model(model, peft_config)``, still read slice by
         slice at prepare; the adapter's init is the one a plain ``get_peft_model`` gives under the same seed.
         """
-        from transformers import AutoModelForCausalLM
-
-        if memory_efficient:
-            try:
-                if peft_config is not None:
-                    from nd_parallel.models.peft import build_meta_peft_model
-
-                    return build_meta_peft_model(path, peft_config, **hf_kwargs)
-                return build_meta_model(path, **hf_kwargs)
-            except PlainLoadNeeded as why:
-                logger.warning("memory-efficient loading does not apply (%s); loading the whole model on every "
-                               "rank with transformers' from_pretrained", why)
-        hf_kwargs.setdefault("use_safetensors", True)  # weights from safetensors only, unless asked otherwise
-        model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
-        if peft_config is None:
-            return model
-        from peft import get_peft_model
-
-        adapters.check_targets(model, peft_config)
-        return get_peft_model(model, peft_config)
+        return load_pretrained(path, memory_efficient=memory_efficient, peft_config=peft_config, **hf_kwargs)

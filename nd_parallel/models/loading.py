@@ -462,3 +462,35 @@ def _nbytes(tensors: Tensors, key: str) -> int:
     for n in tensors.shapes[key]:
         numel *= n
     return numel * _DTYPE_BYTES.get(tensors.dtypes[key], 1)
+
+
+# ------------------------------------------------------------------------------------------- the entry point
+def from_pretrained(path, memory_efficient: bool = True, peft_config=None, **hf_kwargs) -> nn.Module:
+    """The one way nd_parallel loads a causal LM (``NDParallelPlugin.from_pretrained`` is this).
+
+    ``memory_efficient``: a meta-device model whose weights each rank reads at prepare, slice by slice; where that
+    cannot equal ``AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)`` (``PlainLoadNeeded``) transformers'
+    own loader runs instead, with a warning. ``peft_config``: the model wrapped by ``get_peft_model``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if memory_efficient:
+        try:
+            if peft_config is not None:
+                from .peft import build_meta_peft_model
+
+                return build_meta_peft_model(path, peft_config, **hf_kwargs)
+            return build_meta_model(path, **hf_kwargs)
+        except PlainLoadNeeded as why:
+            logger.warning("memory-efficient loading does not apply (%s); loading the whole model on every "
+                           "rank with transformers' from_pretrained", why)
+    hf_kwargs.setdefault("use_safetensors", True)  # weights from safetensors only, unless asked otherwise
+    model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+    if peft_config is None:
+        return model
+    from peft import get_peft_model
+
+    from .peft import check_targets
+
+    check_targets(model, peft_config)
+    return get_peft_model(model, peft_config)
