@@ -24,7 +24,6 @@ fp32 here), plus the embedding output, final norm and logits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -33,6 +32,7 @@ import time
 import weakref
 from pathlib import Path
 
+import _common
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -138,68 +138,51 @@ def worker(args) -> None:
             out.loss.item()
             if step >= args.warmup:
                 times[mode].append(time.perf_counter() - start)
-    mine = {"held": held, "peak": peaks, "time": {str(m): statistics.median(t) for m, t in times.items()}}
-    every = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        result = {"held": {str(m): max(r["held"][m] for r in every) for m in MODES},
-                  "peak": {str(m): max(r["peak"][m] for r in every) for m in MODES},
-                  "time": {str(m): max(r["time"][str(m)] for r in every) for m in MODES}}
-        Path(args.result).write_text(json.dumps(result))
+    medians = {str(m): statistics.median(t) for m, t in times.items()}
+    every = _common.gather({"held": held, "peak": peaks, "time": medians})
+    _common.write_result(args, {"held": {str(m): max(r["held"][m] for r in every) for m in MODES},
+                                "peak": {str(m): max(r["peak"][m] for r in every) for m in MODES},
+                                "time": {str(m): max(r["time"][str(m)] for r in every) for m in MODES}})
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--result")
-    parser.add_argument("--layout")
-    parser.add_argument("--model")
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-    if args.quick:
-        args.seq, args.steps = 256, 1
-    from nd_parallel.testing.launch import launch_for_result
-    from nd_parallel.testing.models import save_tiny_model
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, seq=1024, hidden=256, layers=4, steps=3, warmup=1, layouts=",".join(LAYOUTS))
+    return _common.parse(p, argv, quick={"seq": 256, "steps": 1}, internal=("--layout", "--model"))
 
+
+def parent(args, argv) -> None:
     h = args.hidden
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(save_tiny_model("llama", Path(tmp) / "m", hidden_size=h, intermediate_size=4 * h,
-                                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                                    head_dim=h // 8, max_position_embeddings=max(4096, args.seq),
-                                    tie_word_embeddings=False))
+        model = _common.save_llama(Path(tmp) / "m", h, args.layers, heads=8,
+                                   max_position_embeddings=max(4096, args.seq))
         for name in args.layouts.split(","):
             world, layout = LAYOUTS[name]
             print(f"-- {name} ({world} rank(s))", file=sys.stderr, flush=True)
-            res = launch_for_result(__file__, world, [f"--seq={args.seq}", f"--steps={args.steps}",
-                                                      f"--warmup={args.warmup}", f"--layout={json.dumps(layout)}",
-                                                      f"--model={model}"], timeout=1800)
+            res = _common.launch_self(__file__, world, [f"--seq={args.seq}", f"--steps={args.steps}",
+                                                         f"--warmup={args.warmup}", f"--layout={json.dumps(layout)}",
+                                                         f"--model={model}"], timeout=1800)
             rows.append((name, res))
     per_layer_full = 4 * args.seq * h  # fp32 input of one layer, batch 1 (per micro-batch)
     print(f"\nllama h={h}, {args.layers} layers, seq {args.seq}, fp32; 'full' formula: 4*s*b*h = "
           f"{per_layer_full / 2**20:.2f} MiB per layer input\n")
-    print("| layout | peak none (MiB) | selective | full | selective / none | full / none | held after fwd: "
-          "selective / none | full / none | time selective / none | time full / none |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, res in rows:
-        p_none, p_sel, p_full = (res["peak"][str(m)] / 2**20 for m in MODES)
-        h_none, h_sel, h_full = (res["held"][str(m)] for m in MODES)
-        held = f"{h_sel / h_none:.2f} | {h_full / h_none:.2f}" if name != "pp2" else "n/a | n/a"
-        t_none, t_sel, t_full = (res["time"][str(m)] for m in MODES)
-        print(f"| {name} | {p_none:.1f} | {p_sel:.1f} | {p_full:.1f} | {p_sel / p_none:.2f} | {p_full / p_none:.2f} | "
-              f"{held} | {t_sel / t_none:.2f}x | {t_full / t_none:.2f}x |")
+    print("\n".join(_common.md_table(HEAD, [table_row(name, res) for name, res in rows])))
     print("\nraw:", json.dumps(rows))
 
 
+HEAD = ["layout", "peak none (MiB)", "selective", "full", "selective / none", "full / none",
+        "held after fwd: selective / none", "full / none", "time selective / none", "time full / none"]
+
+
+def table_row(name: str, res: dict) -> list[str]:
+    p_none, p_sel, p_full = (res["peak"][str(m)] / 2**20 for m in MODES)
+    h_none, h_sel, h_full = (res["held"][str(m)] for m in MODES)
+    held = [f"{h_sel / h_none:.2f}", f"{h_full / h_none:.2f}"] if name != "pp2" else ["n/a", "n/a"]
+    t_none, t_sel, t_full = (res["time"][str(m)] for m in MODES)
+    return [name, f"{p_none:.1f}", f"{p_sel:.1f}", f"{p_full:.1f}", f"{p_sel / p_none:.2f}", f"{p_full / p_none:.2f}",
+            *held, f"{t_sel / t_none:.2f}x", f"{t_full / t_none:.2f}x"]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -16,8 +16,6 @@ alternating sync and async so machine noise hits both alike. Per save, the slowe
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,29 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common
 import torch
+from _common import MB
 
-MB = 2**20
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--saves", type=int, default=3, help="saves per mode [3]")
-    p.add_argument("--every", type=int, default=6, help="optimizer steps between saves [6]")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", help="also write the raw results to this file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.intermediate, args.saves, args.every = 64, 2, 128, 2, 3
-    return args
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, hidden=512, layers=8, intermediate=1536, seq=128, saves=(3, "saves per mode [3]"),
+                  every=(6, "optimizer steps between saves [6]"))
+    return _common.parse(p, argv, quick={"hidden": 64, "layers": 2, "intermediate": 128, "saves": 2, "every": 3},
+                         json_help="also write the raw results to this file", internal=("--model-dir", "--out-dir"))
 
 
 def worker(args) -> None:
@@ -101,13 +87,10 @@ def worker(args) -> None:
     for s in saves:
         s["slowdown"] = max(0.0, sum(s["during"]) - baseline * len(s["during"]))
         s["stall"] = s["call"] + s["slowdown"] + s["wait"]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"saves": saves, "baseline": baseline})
-    if dist.get_rank() == 0:
-        size = sum(p.stat().st_size for p in Path(args.out_dir, "ckpt_0").rglob("*") if p.is_file())
-        Path(args.result).write_text(json.dumps({"ranks": gathered, "checkpoint_bytes": size,
-                                                 # DTensor.numel(): the global size
-                                                 "n_params": sum(p.numel() for p in model.parameters())}))
+    gathered = _common.gather({"saves": saves, "baseline": baseline})
+    size = sum(p.stat().st_size for p in Path(args.out_dir, "ckpt_0").rglob("*") if p.is_file())
+    _common.write_result(args, {"ranks": gathered, "checkpoint_bytes": size,
+                                "n_params": sum(p.numel() for p in model.parameters())})  # DTensor: global numel
 
 
 def report(result: dict, args) -> str:
@@ -118,39 +101,23 @@ def report(result: dict, args) -> str:
                     for i in range(len(ranks[0]["saves"])) if ranks[0]["saves"][i]["mode"] == mode]
         n = len(per_save) // 4
         cols = [statistics.median(per_save[k * n:(k + 1) * n]) for k in range(4)]
-        rows.append(f"| {mode} | " + " | ".join(f"{c:.2f}" for c in cols) + " |")
+        rows.append([mode, *(f"{c:.2f}" for c in cols)])
     baseline = max(r["baseline"] for r in ranks)
     return "\n".join([
         f"2 ranks FSDP2, hidden {args.hidden}, {args.layers} layers ({result['n_params'] / 1e6:.1f}M params, "
         f"checkpoint {result['checkpoint_bytes'] / MB:.0f} MiB), seq {args.seq}; step {baseline:.2f} s; "
         f"median of {args.saves} saves per mode, slowest rank, seconds",
-        "", "| mode | call | slowdown | wait | stall |", "|---|---|---|---|---|", *rows])
+        "", *_common.md_table(["mode", "call", "slowdown", "wait", "stall"], rows)])
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
-    from nd_parallel.testing.models import save_tiny_model
-
+def parent(args, argv) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_async_save_") as tmp:
-        heads = max(1, args.hidden // 64)
-        model_dir = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden,
-                                    num_hidden_layers=args.layers, intermediate_size=args.intermediate,
-                                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                    head_dim=args.hidden // heads, tie_word_embeddings=False)
-        result = launch_for_result(str(Path(__file__).resolve()), 2,
-                                   [*argv, "--model-dir", str(model_dir), "--out-dir", tmp], timeout=1800,
-                                   env={"HF_HUB_OFFLINE": "1"})
+        model_dir = _common.save_llama(Path(tmp) / "model", args.hidden, args.layers, heads=max(1, args.hidden // 64),
+                                       intermediate=args.intermediate)
+        result = _common.launch_self(__file__, 2, [*argv, "--model-dir", model_dir, "--out-dir", tmp], timeout=1800)
     print(report(result, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"result": result, "args": vars(args)}, indent=1))
-    return 0
+    _common.write_json(args.json, {"result": result, "args": vars(args)})
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

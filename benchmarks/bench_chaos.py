@@ -15,7 +15,6 @@ bit for bit (exit status 1 if not).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -23,24 +22,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _common
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ helpers, when run from a checkout
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--faults", type=int, default=12)
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--save-steps", type=int, default=8)
+def parse_args(argv=None):
+    """No --worker: ChaosRun starts `nd-parallel train`, not this script, as the ranks."""
+    p = _common.parser(__doc__)
+    _common.flags(p, faults=12, steps=160, save_steps=8)
+    # not flags(): that types a flag by its default, and 15.0 would change what --json echoes (15) from earlier runs
     p.add_argument("--hang-timeout", type=float, default=15)
     p.add_argument("--nnodes", type=int, default=1, choices=(1, 2))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--json", help="also write the measurements to this file")
     p.add_argument("--log", help="also write every line the nodes printed to this file")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.faults, args.steps = 4, 40
-    return args
+    return _common.parse(p, argv, quick={"faults": 4, "steps": 40},
+                         json_help="also write the measurements to this file", worker=False)
 
 
 def main(argv=None) -> int:
@@ -87,9 +84,8 @@ def main(argv=None) -> int:
               f"{statistics.median(m.steps_lost for m in ms):12.1f}, {max(m.steps_lost for m in ms)}")
     print(f"\nfinal parameters equal the uninterrupted run's: {same_params}; every logged loss equal: {same_losses}; "
           f"{result.seconds:.0f} s with faults")
-    if args.json:
-        Path(args.json).write_text(json.dumps({**to_json(result), "same_params": same_params,
-                                               "same_losses": same_losses, "args": vars(args)}, indent=1))
+    _common.write_json(args.json, {**to_json(result), "same_params": same_params, "same_losses": same_losses,
+                                   "args": vars(args)})
     return 0 if same_params and same_losses else 1
 
 

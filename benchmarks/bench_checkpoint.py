@@ -22,9 +22,6 @@ copying), not the disk.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shutil
 import statistics
 import sys
@@ -32,29 +29,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common
 import torch
+from _common import MB
 
 WORLDS = (1, 2, 4)
-MB = 2**20
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--reps", type=int, default=3, help="repetitions per world size [3]")
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 2 repetitions")
-    p.add_argument("--json", help="also write the raw results to this file")
-    p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.intermediate, args.reps = 64, 2, 128, 2
-    return args
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, hidden=512, layers=8, intermediate=1536, reps=(3, "repetitions per world size [3]"))
+    return _common.parse(p, argv, quick={"hidden": 64, "layers": 2, "intermediate": 128, "reps": 2},
+                         quick_help="smoke run: tiny model, 2 repetitions",
+                         json_help="also write the raw results to this file", timeout=1800,
+                         internal=("--model-dir", "--out-dir"))
 
 
 def _files_by_rank(ckpt: Path, world: int) -> list[int]:
@@ -78,14 +66,12 @@ def worker(args) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
     from safetensors.torch import save_file
-    from transformers.utils import logging as hf_logging
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
     from nd_parallel.checkpoint import full_state
     from nd_parallel.testing.models import make_samples
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    _common.quiet_transformers()
     accelerator = Accelerator()
     world = accelerator.num_processes
     plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=world)).attach(accelerator)
@@ -128,14 +114,9 @@ def worker(args) -> None:
         if accelerator.is_main_process:
             shutil.rmtree(ckpt)
         rows.append(row)
-    gathered = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, rows)
-    else:
-        gathered = [rows]
-    if accelerator.is_main_process:
-        n_params = sum(p.numel() for p in model.parameters()) if world == 1 else None
-        Path(args.result).write_text(json.dumps({"world": world, "ranks": gathered, "n_params": n_params}))
+    gathered = _common.gather(rows)
+    n_params = sum(p.numel() for p in model.parameters()) if world == 1 else None
+    _common.write_result(args, {"world": world, "ranks": gathered, "n_params": n_params})
     sync()
 
 
@@ -182,43 +163,21 @@ def report(summaries: dict, args, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def _loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "n/a"
-
-
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
-    from nd_parallel.testing.models import save_tiny_model
-
-    results, meta = {}, {"load_start": _loadavg()}
+def parent(args, argv) -> None:
+    results, meta = {}, {"load_start": _common.loadavg()}
     with tempfile.TemporaryDirectory(prefix="bench_checkpoint_") as tmp:
-        heads = max(1, args.hidden // 64)
-        model_dir = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden,
-                                    num_hidden_layers=args.layers, intermediate_size=args.intermediate,
-                                    num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                                    head_dim=args.hidden // heads, tie_word_embeddings=False)
+        model_dir = _common.save_llama(Path(tmp) / "model", args.hidden, args.layers, heads=max(1, args.hidden // 64),
+                                       intermediate=args.intermediate)
         for world in WORLDS:
             print(f"[bench] {world} rank(s) ...", flush=True)
-            results[world] = launch_for_result(str(Path(__file__).resolve()), world,
-                                               [*argv, "--model-dir", str(model_dir), "--out-dir", tmp],
-                                               timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-    meta["load_end"] = _loadavg()
+            results[world] = _common.launch_self(__file__, world, [*argv, "--model-dir", model_dir, "--out-dir", tmp],
+                                                 timeout=args.timeout)
+    meta["load_end"] = _common.loadavg()
     meta["n_params"] = results[1]["n_params"]
     summaries = {w: summarize(r) for w, r in results.items()}
     print(report(summaries, args, meta))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"results": results, "meta": meta, "args": vars(args)}, indent=1))
-    return 0
+    _common.write_json(args.json, {"results": results, "meta": meta, "args": vars(args)})
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -17,13 +17,13 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _common
 import torch
 
 
@@ -46,8 +46,6 @@ def saved_bytes(model, batch, skip_shapes) -> int:
 
 
 def worker(args) -> None:
-    import json
-
     import torch.distributed as dist
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
@@ -101,40 +99,26 @@ def worker(args) -> None:
                 torch.set_num_threads(1)
             dist.barrier()
             times[name].append(time.perf_counter() - start)
-    if rank == 0:
-        Path(args.result).write_text(json.dumps({"memory": memory, "times": times, "cp": cp}))
+    _common.write_result(args, {"memory": memory, "times": times, "cp": cp})
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cp", type=int, default=2)
-    parser.add_argument("--backend", default="ring", choices=["ring", "ulysses"])
-    parser.add_argument("--seq", type=int, default=4096, help="sequence of the step-time comparison [4096]")
-    parser.add_argument("--mem-seq", type=int, default=1024, help="S of the memory comparison [1024]")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.quick:
-        args.hidden, args.layers, args.seq, args.mem_seq, args.steps = 64, 2, 256, 128, 3
-    from nd_parallel.testing.launch import launch_for_result
-    from nd_parallel.testing.models import save_tiny_model
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, cp=2)
+    p.add_argument("--backend", default="ring", choices=["ring", "ulysses"])
+    _common.flags(p, seq=(4096, "sequence of the step-time comparison [4096]"),
+                  mem_seq=(1024, "S of the memory comparison [1024]"), hidden=256, layers=4, steps=5, warmup=1)
+    return _common.parse(p, argv, quick={"hidden": 64, "layers": 2, "seq": 256, "mem_seq": 128, "steps": 3},
+                         internal=("--model",))
 
+
+def parent(args, argv) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                intermediate_size=4 * args.hidden, num_attention_heads=8, num_key_value_heads=4,
-                                head_dim=args.hidden // 8, tie_word_embeddings=False,
-                                max_position_embeddings=max(args.seq, args.mem_seq * args.cp))
+        model = _common.save_llama(Path(tmp) / "model", args.hidden, args.layers, heads=8,
+                                   max_position_embeddings=max(args.seq, args.mem_seq * args.cp))
         forwarded = [f"--seq={args.seq}", f"--mem-seq={args.mem_seq}", f"--steps={args.steps}",
                      f"--backend={args.backend}", f"--model={model}"]
-        data = launch_for_result(__file__, args.cp, forwarded, timeout=3000, capture=True)
+        data = _common.launch_self(__file__, args.cp, forwarded, timeout=3000, capture=True)
     cp, mem = data["cp"], data["memory"]
     mib = 2.0**20
     print(f"llama hidden={args.hidden} layers={args.layers} heads 8/4, cp={cp} backend={args.backend}")
@@ -153,4 +137,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

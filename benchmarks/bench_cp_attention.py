@@ -23,37 +23,25 @@ one thread's, wall seconds where waiting is part of the answer.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import _common
 import torch
 
 LAYOUTS = ("ring-contig", "ring-lb", "ulysses")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, seq=4096, heads=8, kv_heads=4, head_dim=64, batch=1)
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--kernel", default="auto", help="block kernel: auto (flash_cpu on CPU) | math | flash_cpu")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per layout, after one warm-up [5]")
-    p.add_argument("--json", help="also write the raw results here")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.seq, args.rounds = 512, 1
+    _common.flags(p, kernel=("auto", "block kernel: auto (flash_cpu on CPU) | math | flash_cpu"),
+                  rounds=(5, "timed rounds per layout, after one warm-up [5]"))
+    args = _common.parse(p, argv, quick={"seq": 512, "rounds": 1}, json_help="also write the raw results here",
+                         timeout=1200)
     for cp in args.cp:
         if args.seq % (2 * cp) or args.heads % cp or args.kv_heads % cp:
             p.error(f"--seq {args.seq}, --heads {args.heads}, --kv-heads {args.kv_heads}: cp={cp} must divide both "
@@ -195,10 +183,7 @@ def worker(args) -> None:
                 runs[name].append({"forward_s": t1 - t0, "backward_s": t2 - t1, "compute_s": comm_stats.compute_s,
                                    "wait_s": comm_stats.wait_s, "forward_bytes": fwd_bytes,
                                    "backward_bytes": comm_stats.backward_bytes})
-    gathered = [None] * cp
-    dist.all_gather_object(gathered, runs)
-    if rank == 0:
-        Path(args.result).write_text(json.dumps({"ranks": gathered}))
+    _common.write_result(args, {"ranks": _common.gather(runs)})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -269,29 +254,20 @@ def report(args, results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
-
+def parent(args, argv) -> None:
     results = {"cp": {}}
     start, load_start = time.perf_counter(), os.getloadavg()
     for cp in args.cp:
-        data = launch_for_result(str(Path(__file__).resolve()), cp, argv, timeout=args.timeout)
+        data = _common.launch_self(__file__, cp, argv, timeout=args.timeout)
         results["cp"][cp] = {"analytical": analytical(cp, args.seq), "isolated": isolated(args, cp),
-                       "timed": summarize(cp, data, args)}
+                             "timed": summarize(cp, data, args)}
         print(f"[bench] cp={cp} done ({time.perf_counter() - start:.0f} s)", flush=True)
     results["single"] = single(args)
     print(f"\n[bench] {time.perf_counter() - start:.0f} s; load average at start {load_start[0]:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (times under load are upper bounds)\n")
     print(report(args, results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    _common.write_json(args.json, results)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

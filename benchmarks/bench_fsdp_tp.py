@@ -22,8 +22,6 @@ them alike; warm-up steps are discarded. See docs/benchmarks.md for what each nu
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import statistics
 import sys
@@ -35,8 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import _common
 import torch
 import torch.distributed as dist
+from bench_report import DP, IMPLS, PHASES, TP, report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
@@ -44,38 +44,23 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_report next to this file, also under torchrun
-from bench_report import DP, IMPLS, PHASES, TP, report  # noqa: E402
-
 
 # --------------------------------------------------------------------------------------------- arguments
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=3, help="timed steps per implementation per round [3]")
-    p.add_argument("--rounds", type=int, default=10, help="rounds of A B C [10]")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation before round 1 [3]")
-    p.add_argument("--family", default="llama", help="nd_parallel.testing.models family [llama]")
-    p.add_argument("--tied", action="store_true", help="tie embeddings and lm_head [untied]")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2, help="samples per data-parallel rank per step [2]")
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 warm-up step, 2 rounds of 2")
-    p.add_argument("--profile", action="store_true",
-                   help="after the rounds, profile one more step per implementation and count its collectives")
-    p.add_argument("--json", help="also write the raw results (per-step times, losses, bytes) to this file")
-    p.add_argument("--timeout", type=float, default=1800, help="wall-clock limit of the launch in seconds [1800]")
-    # internal: set by the launcher for the ranks it starts
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.rounds, args.warmup = 2, 2, 1
-        args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads, args.seq = 64, 128, 2, 4, 2, 32
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, steps=(3, "timed steps per implementation per round [3]"), rounds=(10, "rounds of A B C [10]"),
+                  warmup=(3, "untimed steps per implementation before round 1 [3]"),
+                  family=("llama", "nd_parallel.testing.models family [llama]"),
+                  tied=(False, "tie embeddings and lm_head [untied]"), hidden=256, intermediate=1024, layers=4,
+                  heads=8, kv_heads=4, seq=128, batch=(2, "samples per data-parallel rank per step [2]"),
+                  profile=(False, ("after the rounds, profile one more step per implementation and count its "
+                                   "collectives")))
+    quick = {"steps": 2, "rounds": 2, "warmup": 1, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4,
+             "kv_heads": 2, "seq": 32}
+    args = _common.parse(p, argv, quick=quick,
+                         quick_help="smoke run: tiny model, 1 warm-up step, 2 rounds of 2",
+                         json_help="also write the raw results (per-step times, losses, bytes) to this file",
+                         timeout=1800, internal=("--model-dir",))
     if args.hidden % args.heads or args.heads % TP or args.kv_heads % TP:
         p.error(f"--hidden {args.hidden} --heads {args.heads} --kv-heads {args.kv_heads}: the heads must divide "
                 f"the hidden size, and tp={TP} must divide both head counts")
@@ -315,9 +300,8 @@ def collect(impls: list[Impl], measured: dict) -> dict:
             pair = torch.stack([rec[:, 0] * rec[:, 1], rec[:, 1]])
             dist.all_reduce(pair)  # tp peers hold equal numbers, so they cancel in the ratio
             rec[:, 0] = pair[0] / pair[1]
-        gathered = [None] * dist.get_world_size()
-        mine = {"times": impl.times, "cpu": impl.cpu, "bytes": measured[impl.name], "ids": impl.first_ids}
-        dist.all_gather_object(gathered, mine)
+        gathered = _common.gather({"times": impl.times, "cpu": impl.cpu, "bytes": measured[impl.name],
+                                   "ids": impl.first_ids})
         steps = range(len(impl.times))
         out[impl.name] = {
             "times": [{ph: max(g["times"][s][ph] for g in gathered) for ph in PHASES} for s in steps],
@@ -341,7 +325,7 @@ def worker(args) -> None:
     from nd_parallel.testing.models import make_samples
 
     _quiet()
-    load_at_start = _loadavg()
+    load_at_start = _common.loadavg()
     accelerator = Accelerator()  # the launcher sets ACCELERATE_USE_CPU: gloo ranks on a CPU machine
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != DP * TP:
@@ -366,43 +350,21 @@ def worker(args) -> None:
     result = collect(impls, measured)
     result["collectives"] = profiles
     if rank == 0:
-        result["meta"] = _meta(args, sum(p.numel() for p in _meta_model(args.model_dir).parameters()))
-        result["meta"].update(loadavg_start=load_at_start, loadavg_end=_loadavg(), allreduce_latency=latency)
-        Path(args.result).write_text(json.dumps(result))
+        result["meta"] = {**_common.machine(), "n_params": _n_params(args.model_dir), "loadavg_start": load_at_start,
+                          "loadavg_end": _common.loadavg(), "allreduce_latency": latency,
+                          "args": {k: v for k, v in vars(args).items() if k not in ("model_dir", "result", "worker")}}
+    _common.write_result(args, result)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _meta_model(model_dir):
+def _n_params(model_dir) -> int:
+    """The unsharded model's parameter count, from a meta-device copy (no memory, no loading)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-
-
-def _meta(args, n_params: int) -> dict:
-    import os
-    import platform
-
-    import accelerate
-    import transformers
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines()
-                if ln.startswith("model name")), "unknown")
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-            "python": platform.python_version(), "cpus": os.cpu_count(), "cpu": cpu, "n_params": n_params,
-            "args": {k: v for k, v in vars(args).items() if k not in ("model_dir", "result", "worker")}}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
-def _loadavg() -> str:
-    return " ".join(_read("/proc/loadavg").split()[:3]) or "n/a"
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for p in model.parameters())
 
 
 def _quiet() -> None:
@@ -411,33 +373,21 @@ def _quiet() -> None:
     # DTensor notes that a 2-D norm reduction takes two all-reduces (the baselines' clipping): that cost is
     # part of what is measured here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    _common.quiet_transformers()
 
 
 # ---------------------------------------------------------------------------------------------- launcher
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
+def parent(args, argv) -> None:
     from nd_parallel.testing.models import save_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench_fsdp_tp_") as tmp:
         model_dir = save_tiny_model(args.family, Path(tmp) / "model", seed=0, **model_overrides(args))
-        start = time.perf_counter()
-        result = launch_for_result(str(Path(__file__).resolve()), DP * TP, [*argv, "--model-dir", str(model_dir)],
-                                   timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-    print(f"\n[bench] launch took {time.perf_counter() - start:.0f} s\n")
+        result, took = _common.launch_timed(__file__, DP * TP, [*argv, "--model-dir", str(model_dir)],
+                                            timeout=args.timeout)
+    print(f"\n[bench] launch took {took}\n")
     print(report(result, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    _common.write_json(args.json, result)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -19,8 +19,6 @@ an index) and every (layout, path) pair runs in its own fresh torchrun launch, s
 
 from __future__ import annotations
 
-import argparse
-import json
 import resource
 import sys
 import tempfile
@@ -28,7 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+import _common
 import torch
+from _common import MB
 
 # name -> (ranks, ParallelismConfig kwargs, ranks the weights are split over)
 LAYOUTS = {
@@ -37,7 +37,6 @@ LAYOUTS = {
     "fsdp4": (4, dict(dp_shard_size=4), 4),
     "fsdp2_tp2": (4, dict(dp_shard_size=2, tp_size=2), 4),
 }
-MB = 2**20
 
 
 def _status() -> dict[str, int]:
@@ -75,12 +74,10 @@ def worker(args) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
     from torch.distributed.tensor import DTensor
-    from transformers.utils import logging as hf_logging
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    _common.quiet_transformers()
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(**LAYOUTS[args.layout][1])).attach(accelerator)
     plugin.mesh  # built now (a collective), so that its cost is not counted as loading
@@ -105,10 +102,7 @@ def worker(args) -> None:
     mine = dict(before=floor["VmRSS"], before_anon=floor["RssAnon"], before_file=floor["RssFile"],
                 peak_before=peak_before, peak=_maxrss(), after=_status()["VmRSS"], own=own, anon=sampler.anon,
                 file=sampler.file, seconds=seconds)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps(everyone))
+    _common.write_result(args, _common.gather(mine))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -128,25 +122,26 @@ def make_checkpoint(args, directory: Path) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
+HEAD = ["layout", "ranks", "path", "before (MiB)", "peak (MiB)", "load peak = peak - before (MiB)", "load peak / model",
+        "load peak / (model / shards)", "after (MiB)", "own params (MiB)", "anon / file rise (MiB)",
+        "load+prepare (s)"]
+
+
 def report(results: dict, model: dict) -> str:
     size = model["bytes"] / MB
-    lines = [f"model: Llama, {model['params'] / 1e6:.1f} M parameters, fp32, {size:.0f} MiB in {model['files']} "
-             "safetensors files", "",
-             "| layout | ranks | path | before (MiB) | peak (MiB) | load peak = peak - before (MiB) | "
-             "load peak / model | load peak / (model / shards) | after (MiB) | own params (MiB) | "
-             "anon / file rise (MiB) | load+prepare (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for (layout, path), ranks in results.items():
         world, _, shards = LAYOUTS[layout]
         worst = max(ranks, key=lambda r: r["peak"] - r["before"])
         rise = [(r["peak"] - r["before"]) / MB for r in ranks]
-        lines.append(
-            f"| {layout} | {world} | {path} | {worst['before'] / MB:.0f} | {worst['peak'] / MB:.0f} | "
-            f"{' / '.join(f'{x:.0f}' for x in rise)} | {max(rise) / size:.2f} | {max(rise) / (size / shards):.2f} | "
-            f"{worst['after'] / MB:.0f} | {max(r['own'] for r in ranks) / MB:.0f} | "
-            f"{(worst['anon'] - worst['before_anon']) / MB:.0f} / {(worst['file'] - worst['before_file']) / MB:.0f} | "
-            f"{max(r['seconds'] for r in ranks):.1f} |")
-    lines.append("")
+        rows.append([layout, world, path, f"{worst['before'] / MB:.0f}", f"{worst['peak'] / MB:.0f}",
+                     " / ".join(f"{x:.0f}" for x in rise), f"{max(rise) / size:.2f}",
+                     f"{max(rise) / (size / shards):.2f}", f"{worst['after'] / MB:.0f}",
+                     f"{max(r['own'] for r in ranks) / MB:.0f}",
+                     (f"{(worst['anon'] - worst['before_anon']) / MB:.0f} / "
+                      f"{(worst['file'] - worst['before_file']) / MB:.0f}"), f"{max(r['seconds'] for r in ranks):.1f}"])
+    lines = [f"model: Llama, {model['params'] / 1e6:.1f} M parameters, fp32, {size:.0f} MiB in {model['files']} "
+             "safetensors files", "", *_common.md_table(HEAD, rows), ""]
     for layout in dict.fromkeys(k[0] for k in results):
         if (layout, "efficient") in results and (layout, "plain") in results:
             e = max(r["peak"] - r["before"] for r in results[layout, "efficient"])
@@ -157,54 +152,37 @@ def report(results: dict, model: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--shard-size", default="100MB", help="max_shard_size of save_pretrained [100MB]")
-    p.add_argument("--quick", action="store_true", help="a ~15 MB model in 3 files")
-    p.add_argument("--json", help="also write the raw per-rank numbers to this file")
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--layout", help=argparse.SUPPRESS)
-    p.add_argument("--path", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    if args.quick:
-        args.vocab, args.hidden, args.intermediate, args.shard_size = 4096, 256, 1024, "6MB"
-    from nd_parallel.testing.launch import launch_for_result
-
-    layouts = args.layouts.split(",")
-    unknown = [name for name in layouts if name not in LAYOUTS]
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, layouts=(",".join(LAYOUTS), f"comma-separated, from {list(LAYOUTS)}"), vocab=32000, hidden=1024,
+                  intermediate=2816, layers=4, heads=16,
+                  shard_size=("100MB", "max_shard_size of save_pretrained [100MB]"))
+    args = _common.parse(p, argv, quick={"vocab": 4096, "hidden": 256, "intermediate": 1024, "shard_size": "6MB"},
+                         quick_help="a ~15 MB model in 3 files",
+                         json_help="also write the raw per-rank numbers to this file", timeout=900,
+                         internal=("--layout", "--path", "--model-dir"))
+    unknown = [name for name in args.layouts.split(",") if name not in LAYOUTS]
     if unknown:
         p.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    return args
+
+
+def parent(args, argv) -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench_loading_") as tmp:
         model = make_checkpoint(args, Path(tmp) / "model")
         print(f"[bench] checkpoint: {model['bytes'] / MB:.0f} MiB in {model['files']} files", flush=True)
-        for layout in layouts:
+        for layout in args.layouts.split(","):
             for path in ("efficient", "plain"):
-                start = time.perf_counter()
-                results[layout, path] = launch_for_result(
-                    str(Path(__file__).resolve()), LAYOUTS[layout][0],
-                    ["--layout", layout, "--path", path, "--model-dir", str(Path(tmp) / "model")],
-                    timeout=args.timeout, env={"HF_HUB_OFFLINE": "1"})
-                print(f"[bench] {layout} {path}: {time.perf_counter() - start:.0f} s", flush=True)
+                forwarded = ["--layout", layout, "--path", path, "--model-dir", str(Path(tmp) / "model")]
+                results[layout, path], took = _common.launch_timed(__file__, LAYOUTS[layout][0], forwarded,
+                                                                   timeout=args.timeout)
+                print(f"[bench] {layout} {path}: {took}", flush=True)
     print()
     print(report(results, model))
-    if args.json:
-        runs = {f"{layout}/{path}": ranks for (layout, path), ranks in results.items()}
-        Path(args.json).write_text(json.dumps({"model": model, "runs": runs}, indent=1))
-    return 0
+    runs = {f"{layout}/{path}": ranks for (layout, path), ranks in results.items()}
+    _common.write_json(args.json, {"model": model, "runs": runs})
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -21,14 +21,15 @@ estimator on the same model (they do not see the layout, activations or logits).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
+import _common
 import torch
 
 WORLD = 4
@@ -156,13 +157,13 @@ def _p2p_latency(dist, timed) -> float:
 def _measure(args, model_dir: str, name: str) -> dict:
     import torch.distributed as dist
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
+    from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
 
     kwargs, extra = LAYOUTS[name]
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state()  # the precision is fixed per AcceleratorState; layouts differ in it
     accelerator = Accelerator(mixed_precision="bf16" if extra.get("bf16") else "no")
     plugin = NDParallelPlugin(ParallelismConfig(**kwargs)).attach(accelerator)
@@ -194,16 +195,11 @@ def _measure(args, model_dir: str, name: str) -> dict:
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
-    from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
-
     tracker = LiveTensorBytes(state_tensors(model, opt))
     with tracker:
         step()
-    peak = tracker.peak
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    del model, opt
-    return {"peaks": peaks, "step_s": statistics.median(times), "min_step_s": min(times), "times": times}
+    return {"peaks": _common.gather(tracker.peak), "step_s": statistics.median(times), "min_step_s": min(times),
+            "times": times}
 
 
 def worker(args) -> None:
@@ -216,17 +212,15 @@ def worker(args) -> None:
     results = {"rates": rates, "runs": {}}
     for shape, model_dir in json.loads(args.models).items():
         for name in args.layouts.split(","):
+            key = f"{shape}/{name}"
             try:
-                results["runs"][f"{shape}/{name}"] = _measure(args, model_dir, name)
+                results["runs"][key] = _measure(args, model_dir, name)
             except Exception as err:  # one broken layout must not hide the others
-                import traceback
-
-                print(f"rank {dist.get_rank()} {shape}/{name}: {traceback.format_exc()}", file=sys.stderr, flush=True)
-                results["runs"][f"{shape}/{name}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+                print(f"rank {dist.get_rank()} {key}: {traceback.format_exc()}", file=sys.stderr, flush=True)
+                results["runs"][key] = {"error": f"{type(err).__name__}: {err}"[:400]}
             if dist.get_rank() == 0:
-                print(f"measured {shape}/{name}: {results['runs'][f'{shape}/{name}']}", flush=True)
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps(results))
+                print(f"measured {key}: {results['runs'][key]}", flush=True)
+    _common.write_result(args, results)
 
 
 # ------------------------------------------------------------------------------------------------ parent
@@ -302,8 +296,7 @@ def report(data: dict, args, model_dirs: dict) -> dict:
             measured = max(run["peaks"])
             others = _others(model_dirs[shape], lora)
             row.update(measured_peak=measured, measured_peaks=run["peaks"], measured_step_s=run["step_s"],
-                   measured_min_step_s=run.get("min_step_s"),
-                       error=None, mem_err=mem.peak / measured - 1,
+                       measured_min_step_s=run.get("min_step_s"), error=None, mem_err=mem.peak / measured - 1,
                        accelerate_err=others["accelerate"] / measured - 1,
                        deepspeed_err=(others["deepspeed"] / measured - 1) if others["deepspeed"] else None)
         rows.append(row)
@@ -375,43 +368,32 @@ def _save_models(args, tmp: str) -> dict[str, str]:
     return dirs
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per layout after one warm-up")
-    parser.add_argument("--layouts", default=",".join(k for k in LAYOUTS if k not in EXTRA))
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", help="also write the report here")
-    parser.add_argument("--from-json", help="re-print a report written by --json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--models", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, seq=256, global_batch=8, steps=(3, "timed steps per layout after one warm-up"),
+                  layouts=",".join(k for k in LAYOUTS if k not in EXTRA), shapes=",".join(SHAPES))
+    p.add_argument("--from-json", help="re-print a report written by --json")
+    # --quick is applied in parent(), after --from-json: a re-print covers every shape the stored run measured
+    return _common.parse(p, argv, json_help="also write the report here", internal=("--models",))
+
+
+def parent(args, argv) -> None:
     if args.from_json:  # predict again (the model may have changed) against the stored measurements
         old = json.loads(Path(args.from_json).read_text())
         with tempfile.TemporaryDirectory() as tmp:
-            rep = report(old["raw"], args, _save_models(args, tmp))
-        return print_report(rep)
+            return print_report(report(old["raw"], args, _save_models(args, tmp)))
     if args.quick:
         args.layouts, args.shapes, args.steps = ",".join(QUICK), next(iter(SHAPES)), 2
-    from nd_parallel.testing.launch import launch_for_result
-
     with tempfile.TemporaryDirectory() as tmp:
         dirs = _save_models(args, tmp)
         forwarded = [f"--seq={args.seq}", f"--global-batch={args.global_batch}", f"--steps={args.steps}",
                      f"--layouts={args.layouts}", f"--models={json.dumps(dirs)}"]
-        data = launch_for_result(__file__, WORLD, forwarded, timeout=3000,
-                                 env={"TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"})
+        data = _common.launch_self(__file__, WORLD, forwarded, timeout=3000,
+                                   env={"TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"})
         rep = report(data, args, dirs)
     print_report(rep)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rep, indent=1))
+    _common.write_json(args.json, rep)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -11,14 +11,13 @@ median step time, the ratio torch/deepspeed, and checks that both report the sam
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _common
 import torch
 
 
@@ -57,40 +56,24 @@ def worker(args) -> None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             times[backend].append(elapsed.item())
             first_loss.setdefault(backend, out.loss.item())
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps({"times": times, "first_loss": first_loss}))
+    _common.write_result(args, {"times": times, "first_loss": first_loss})
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--per-rank-batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    if args.quick:
-        args.hidden, args.layers, args.seq, args.steps, args.per_rank_batch = 64, 4, 32, 5, 4
-    from nd_parallel.testing.launch import launch_for_result
-    from nd_parallel.testing.models import save_tiny_model
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, pp=2, microbatches=4, per_rank_batch=8, seq=128, hidden=256, layers=4, steps=12, warmup=2)
+    return _common.parse(p, argv, quick={"hidden": 64, "layers": 4, "seq": 32, "steps": 5, "per_rank_batch": 4},
+                         internal=("--model",))
 
+
+def parent(args, argv) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model = save_tiny_model("llama", Path(tmp) / "model", hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                intermediate_size=4 * args.hidden, num_attention_heads=8, num_key_value_heads=4,
-                                head_dim=args.hidden // 8, tie_word_embeddings=False)
-        forwarded = [f"--pp={args.pp}", f"--microbatches={args.microbatches}", f"--per-rank-batch={args.per_rank_batch}",
-                     f"--seq={args.seq}", f"--steps={args.steps}", f"--model={model}"]
-        data = launch_for_result(__file__, args.pp, forwarded, timeout=1200, env={"DS_ACCELERATOR": "cpu"},
-                                 capture=True)
+        model = _common.save_llama(Path(tmp) / "model", args.hidden, args.layers, heads=8)
+        forwarded = [f"--pp={args.pp}", f"--microbatches={args.microbatches}",
+                     f"--per-rank-batch={args.per_rank_batch}", f"--seq={args.seq}", f"--steps={args.steps}",
+                     f"--model={model}"]
+        data = _common.launch_self(__file__, args.pp, forwarded, timeout=1200, env={"DS_ACCELERATOR": "cpu"},
+                                   capture=True)
     med = {b: statistics.median(t[args.warmup:]) for b, t in data["times"].items()}
     print(f"pp={args.pp} microbatches={args.microbatches} per-rank batch={args.per_rank_batch} seq={args.seq} "
           f"hidden={args.hidden} layers={args.layers}; {args.steps - args.warmup} timed steps each, alternating")
@@ -101,4 +84,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -20,37 +20,24 @@ devices: sum_s t_s + (m - 1) * max_s t_s.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _common
 import torch
 
 P = 4
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="measured steps per split, after 1 warm-up step [3]")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per unit / isolated stage measurement [5]")
-    p.add_argument("--out", default="runs/pp_balance", help="timeline traces and pictures [runs/pp_balance]")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.vocab, args.seq, args.steps, args.repeats = 8000, 32, 1, 2
-    return args
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, vocab=32000, hidden=256, intermediate=1024, layers=8, seq=128, microbatches=8,
+                  steps=(3, "measured steps per split, after 1 warm-up step [3]"),
+                  repeats=(5, "repeats per unit / isolated stage measurement [5]"),
+                  out=("runs/pp_balance", "timeline traces and pictures [runs/pp_balance]"))
+    return _common.parse(p, argv, quick={"vocab": 8000, "seq": 32, "steps": 1, "repeats": 2}, timeout=1200)
 
 
 def build_model(args):
@@ -72,7 +59,7 @@ def build_split(args, counts: list[int]):
     from accelerate import Accelerator
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach
+    from nd_parallel.distributed.pipeline.timeline.record import TimelineRecorder, attach
 
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(pp_size=P, pp_microbatches=args.microbatches)).attach(accelerator)
@@ -88,8 +75,10 @@ def measure(args, pipes: dict) -> dict:
     """Both splits measured alternately (A B A B ...), so background load on the machine hits them alike."""
     import torch.distributed as dist
 
-    from nd_parallel.distributed.pipeline.balance import measure_stage_seconds, sample_batch
-    from nd_parallel.distributed.pipeline.timeline import bubble, stage_seconds, write
+    from nd_parallel.distributed.pipeline.balance.collective import measure_stage_seconds
+    from nd_parallel.distributed.pipeline.balance.measure import sample_batch
+    from nd_parallel.distributed.pipeline.timeline.analysis import bubble, stage_seconds
+    from nd_parallel.distributed.pipeline.timeline.render import write
 
     any_pipe = next(iter(pipes.values()))
     batch = sample_batch(any_pipe, (1, args.seq))
@@ -133,7 +122,8 @@ def worker(args) -> None:
     import torch.distributed as dist
     from accelerate import Accelerator
 
-    from nd_parallel.distributed.pipeline.balance import agree_costs, profile_plan, stage_times
+    from nd_parallel.distributed.pipeline.balance.collective import agree_costs, profile_plan
+    from nd_parallel.distributed.pipeline.balance.partition import stage_times
     from nd_parallel.distributed.pipeline.split import uniform_layers
 
     Accelerator()  # initializes the process group (gloo on CPU) from torchrun's environment
@@ -148,10 +138,8 @@ def worker(args) -> None:
     for r in results:
         r["counts"] = splits[r["name"]]
         r["predicted"] = stage_times(costs, r["counts"])
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps({
-            "units": [[u.name, c, u.param_bytes, u.activation_bytes] for u, c in zip(units, costs)],
-            "profile_s": profile_s, "results": results}))
+    units = [[u.name, c, u.param_bytes, u.activation_bytes] for u, c in zip(units, costs)]
+    _common.write_result(args, {"units": units, "profile_s": profile_s, "results": results})
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -164,26 +152,30 @@ def one_f_one_b_ms(stage_s: list[float], m: int) -> float:
     return 1e3 * (sum(stage_s) + (m - 1) * max(stage_s))
 
 
-def report(data: dict, args) -> str:
+HEAD = ["split", "layers per stage", "predicted ms/stage", "isolated ms/stage", "in-pipeline ms/stage",
+        "max/mean predicted", "max/mean isolated", "max/mean in-pipeline", "est. 1F1B step on 4 devices (ms)",
+        "measured step here (ms)", "bubble here"]
+
+
+def report(data: dict, args, took: str) -> str:
     ms = lambda xs: " / ".join(f"{1e3 * x:.1f}" for x in xs)  # noqa: E731
     units = data["units"]
     layer_ms = statistics.median(c for n, c, _, _ in units[1:-1])
-    lines = [f"unit fwd+bwd on 1 x {args.seq} tokens (median over ranks): embed {1e3 * units[0][1]:.2f} ms, "
+    launch = (f"\n[bench] llama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, p={P}, 1F1B, "
+              f"m={args.microbatches} x (1 x {args.seq}); launch took {took}\n")
+    lines = [launch,
+             f"unit fwd+bwd on 1 x {args.seq} tokens (median over ranks): embed {1e3 * units[0][1]:.2f} ms, "
              f"layer {1e3 * layer_ms:.2f} ms (median), head+loss {1e3 * units[-1][1]:.2f} ms; "
              f"param MiB embed {units[0][2] / 2**20:.1f}, layer {units[1][2] / 2**20:.1f}, head {units[-1][2] / 2**20:.1f}; "
              f"activation MiB per layer {units[1][3] / 2**20:.1f}, head {units[-1][3] / 2**20:.1f}; "
              f"profiling took {data['profile_s']:.1f} s", ""]
-    lines += ["| split | layers per stage | predicted ms/stage | isolated ms/stage | in-pipeline ms/stage "
-              "| max/mean predicted | max/mean isolated | max/mean in-pipeline | est. 1F1B step on 4 devices (ms) "
-              "| measured step here (ms) | bubble here |", "|" + "---|" * 11]
-    rows = {r["name"]: r for r in data["results"]}
     m = args.microbatches
-    for r in data["results"]:
-        lines.append(
-            f"| {r['name']} | {r['counts']} | {ms(r['predicted'])} | {ms(r['isolated'])} | {ms(r['pipeline'])} | "
-            f"{imbalance(r['predicted']):.2f} | {imbalance(r['isolated']):.2f} | {imbalance(r['pipeline']):.2f} | "
-            f"{one_f_one_b_ms(r['isolated'], m):.0f} | {statistics.median(r['step_ms']):.0f} | "
-            f"{100 * r['bubble']:.0f}% |")
+    lines += _common.md_table(HEAD, [
+        [r["name"], r["counts"], ms(r["predicted"]), ms(r["isolated"]), ms(r["pipeline"]),
+         f"{imbalance(r['predicted']):.2f}", f"{imbalance(r['isolated']):.2f}", f"{imbalance(r['pipeline']):.2f}",
+         f"{one_f_one_b_ms(r['isolated'], m):.0f}", f"{statistics.median(r['step_ms']):.0f}",
+         f"{100 * r['bubble']:.0f}%"] for r in data["results"]])
+    rows = {r["name"]: r for r in data["results"]}
     u, p = rows["uniform"], rows["profile"]
     lines += ["", f"gain of profile over uniform: slowest stage {max(u['isolated']) / max(p['isolated']):.2f}x "
               f"(isolated), {max(u['predicted']) / max(p['predicted']):.2f}x (predicted); estimated 1F1B step on 4 "
@@ -192,23 +184,11 @@ def report(data: dict, args) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
-
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    data = launch_for_result(str(Path(__file__).resolve()), P, argv, timeout=args.timeout,
-                              env={"HF_HUB_OFFLINE": "1"})
-    print(f"\n[bench] llama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, p={P}, 1F1B, "
-          f"m={args.microbatches} x (1 x {args.seq}); launch took {time.perf_counter() - start:.0f} s\n")
-    print(report(data, args))
-    return 0
+def parent(args, argv) -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # the ranks write their timelines there
+    data, took = _common.launch_timed(__file__, P, argv, timeout=args.timeout)
+    print(report(data, args, took))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

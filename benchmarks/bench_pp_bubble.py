@@ -15,13 +15,12 @@ so the step times are comparable too.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _common
 import torch
 
 P = 4
@@ -29,23 +28,16 @@ LAYERS = 8
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2)]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv):
+    p = _common.parser(__doc__)
     p.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--f-ms", type=float, default=10.0, help="forward sleep per layer [10]")
-    p.add_argument("--b-ms", type=float, default=10.0, help="input-gradient backward sleep per layer [10]")
-    p.add_argument("--w-ms", type=float, default=10.0, help="weight-gradient backward sleep per layer [10]")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per run, after 1 warm-up step [5]")
-    p.add_argument("--out", default="runs/pp_bubble", help="traces (.json) and pictures (.png) [runs/pp_bubble]")
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 ms sleeps, 1 measured step")
-    p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.f_ms = args.b_ms = args.w_ms = 2.0
-        args.steps = 1
-    return args
+    _common.flags(p, f_ms=(10.0, "forward sleep per layer [10]"),
+                  b_ms=(10.0, "input-gradient backward sleep per layer [10]"),
+                  w_ms=(10.0, "weight-gradient backward sleep per layer [10]"),
+                  steps=(5, "measured steps per run, after 1 warm-up step [5]"),
+                  out=("runs/pp_bubble", "traces (.json) and pictures (.png) [runs/pp_bubble]"))
+    return _common.parse(p, argv, quick={"f_ms": 2.0, "b_ms": 2.0, "w_ms": 2.0, "steps": 1},
+                         quick_help="smoke run: 2 ms sleeps, 1 measured step", timeout=900)
 
 
 # ----------------------------------------------------------------------------------------- sleeping model
@@ -114,7 +106,9 @@ def run_one(args, schedule: str, v: int, m: int) -> dict:
     from accelerate import Accelerator
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
-    from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach, bubble, replay, summarize, write
+    from nd_parallel.distributed.pipeline.timeline.analysis import bubble, replay, summarize
+    from nd_parallel.distributed.pipeline.timeline.record import TimelineRecorder, attach
+    from nd_parallel.distributed.pipeline.timeline.render import write
 
     accelerator = Accelerator()
     config = ParallelismConfig(pp_size=P, pp_schedule=schedule, pp_virtual_stages=v, pp_microbatches=m)
@@ -148,11 +142,7 @@ def run_one(args, schedule: str, v: int, m: int) -> dict:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
-
-    results = [run_one(args, schedule, v, m) for m in args.microbatches for schedule, v in SCHEDULES]
-    if dist.get_rank() == 0:
-        Path(args.result).write_text(json.dumps(results))
+    _common.write_result(args, [run_one(args, schedule, v, m) for m in args.microbatches for schedule, v in SCHEDULES])
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -161,38 +151,28 @@ def ideal_step_ms(args, m: int) -> float:
     return m * (LAYERS // P) * (args.f_ms + args.b_ms + args.w_ms)
 
 
-def report(results: list[dict], args) -> str:
-    head = (f"| schedule | v | m | measured bubble, median of {args.steps} steps | best step | per rank (best step) "
-            f"| replayed: recorded order, nominal times, instant comm | analytical | F..B/W span ms | step ms "
-            f"| work per rank ms |")
-    lines = [head, "|" + "---|" * 11]
+def report(results: list[dict], args, took: str) -> str:
+    head = ["schedule", "v", "m", f"measured bubble, median of {args.steps} steps", "best step",
+            "per rank (best step)", "replayed: recorded order, nominal times, instant comm", "analytical",
+            "F..B/W span ms", "step ms", "work per rank ms"]
+    rows = []
     for r in results:
         analytic = f"{100 * r['analytical']:.1f}%" if r["analytical"] is not None else "~0 (zero-bubble)"
         per_rank = " / ".join(f"{100 * float(x):.0f}" for x in r["per_rank"].values())
-        lines.append(f"| {r['schedule']} | {r['v']} | {r['m']} | {100 * statistics.median(r['bubbles']):.1f}% | "
-                     f"{100 * min(r['bubbles']):.1f}% | {per_rank} | {100 * r['replayed']:.1f}% | {analytic} | "
-                     f"{statistics.median(r['span_ms']):.0f} | {statistics.median(r['step_ms']):.0f} | "
-                     f"{ideal_step_ms(args, r['m']):.0f} |")
-    return "\n".join(lines)
+        rows.append([r["schedule"], r["v"], r["m"], f"{100 * statistics.median(r['bubbles']):.1f}%",
+                     f"{100 * min(r['bubbles']):.1f}%", per_rank, f"{100 * r['replayed']:.1f}%", analytic,
+                     f"{statistics.median(r['span_ms']):.0f}", f"{statistics.median(r['step_ms']):.0f}",
+                     f"{ideal_step_ms(args, r['m']):.0f}"])
+    launch = (f"\n[bench] p={P}, {LAYERS} layers, sleeps per layer F={args.f_ms} B={args.b_ms} W={args.w_ms} ms; "
+              f"launch took {took}; traces and pictures in {args.out}/\n")
+    return "\n".join([launch, *_common.md_table(head, rows)])
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    from nd_parallel.testing.launch import launch_for_result
-
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    results = launch_for_result(str(Path(__file__).resolve()), P, argv, timeout=args.timeout,
-                              env={"HF_HUB_OFFLINE": "1"})
-    print(f"\n[bench] p={P}, {LAYERS} layers, sleeps per layer F={args.f_ms} B={args.b_ms} W={args.w_ms} ms; "
-          f"launch took {time.perf_counter() - start:.0f} s; traces and pictures in {args.out}/\n")
-    print(report(results, args))
-    return 0
+def parent(args, argv) -> None:
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # the ranks write traces and pictures there
+    results, took = _common.launch_timed(__file__, P, argv, timeout=args.timeout)
+    print(report(results, args, took))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(parse_args, worker, parent))

@@ -1,4 +1,4 @@
-"""The Accelerate loop of ARCHITECTURE.md, unchanged, under the layout that `accelerate launch` passes.
+"""The Accelerate loop of docs/architecture.md, unchanged, under the layout that `accelerate launch` passes.
 
     accelerate launch --config_file examples/accelerate/fsdp2_tp2.yaml examples/train.py
     accelerate launch --config_file examples/accelerate/ddp2.yaml examples/train.py \
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
-from nd_parallel.cli.train.rank import DatasetSpec, build_samples, collate
+from nd_parallel.cli.train.data import DatasetSpec, build_samples, collate
 from nd_parallel.testing.models import make_samples, save_tiny_model
 
 

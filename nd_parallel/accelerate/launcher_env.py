@@ -1,6 +1,7 @@
-"""The launcher boundary: what ``accelerate launch`` / torchrun set in the environment, adjusted before
-``Accelerator()`` exists so that nd_parallel, not Accelerate, owns the layout. Environment variables are read here
-and in ``ParallelismConfig.from_env`` only."""
+"""The launcher boundary: what ``accelerate launch`` / torchrun set in the environment, read and adjusted before
+``Accelerator()`` exists so that nd_parallel, not Accelerate, owns the layout. The launcher's variables are read at
+this boundary (here, in the CLI, in the rank program and in the Axolotl plugin); the layout's own
+``PARALLELISM_CONFIG_*`` variables only in ``nd_parallel.config.sources``."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def adopt_launcher_env(environ=None) -> None:
     # Accelerator() ignores the other ranks.
     if int(env.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"
+
+
+def launched_world_size(environ=None) -> int:
+    """The number of ranks the launcher (torchrun / accelerate launch) started: WORLD_SIZE, 1 when unset."""
+    env = os.environ if environ is None else environ
+    return int(env.get("WORLD_SIZE", "1"))

@@ -41,41 +41,15 @@ from .format import (
     write_json,
 )
 from .names import MODEL, OPTIM, global_shape, hf_modules, named_state, tied_keys
+from .train_state import TrainState
 
 logger = logging.getLogger("nd_parallel")
 
 
-def _distributed(accelerator) -> bool:
-    return dist.is_initialized() and accelerator.num_processes > 1
-
-
-def _barrier(accelerator) -> None:
-    if _distributed(accelerator):
-        dist.barrier()
-
-
-def _the_model(accelerator):
-    models = accelerator._models
-    if len(models) != 1:
-        raise NotImplementedError(
-            f"save_state / load_state under nd_parallel handle exactly one prepared model, found {len(models)}; "
-            "prepare one model per Accelerator (save others with accelerator.save_model)")
-    return models[0]
-
-
-def _optimizers(accelerator) -> tuple:
-    return tuple(getattr(o, "optimizer", o) for o in accelerator._optimizers)
-
-
-def _dp_size(plugin) -> int:
-    c = plugin.config
-    return c.dp_replicate_size * c.dp_shard_size
-
-
-def _target(accelerator, output_dir) -> Path:
-    project = accelerator.project_configuration
-    if project.automatic_checkpoint_naming:
-        final = Path(accelerator.project_dir) / "checkpoints" / f"checkpoint_{project.iteration}"
+def _target(state: TrainState, output_dir) -> Path:
+    project = state.project
+    if project is not None and project.automatic_checkpoint_naming:
+        final = Path(state.project_dir) / "checkpoints" / f"checkpoint_{project.iteration}"
         if final.exists():
             raise CheckpointError(
                 f"checkpoint directory {final} already exists (iteration {project.iteration}); set "
@@ -88,7 +62,7 @@ def _target(accelerator, output_dir) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------- RNG
-def _rng_tensors(accelerator) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _rng_tensors(state: TrainState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     import numpy as np
 
     version, py_state, gauss = random.getstate()
@@ -100,7 +74,7 @@ def _rng_tensors(accelerator) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda.{i}"] = state
-    for i, loader in enumerate(accelerator._dataloaders):
+    for i, loader in enumerate(state.dataloaders):
         pos = dl.position(loader)
         if pos is not None and pos.torch_rng is not None:
             tensors[f"loader.{i}.torch"] = pos.torch_rng
@@ -129,15 +103,15 @@ def _rng_file(root: Path, rank: int) -> Path:
 
 
 # -------------------------------------------------------------------------------------------------- save
-def _small_state(accelerator, for_load: bool = False) -> dict:
+def _small_state(state: TrainState, for_load: bool = False) -> dict:
     """Schedulers and registered custom objects, each stored as one pickled value whatever its structure (DCP
     walks into dicts and lists, not tuples), read back with weights_only=True."""
-    objects = {f"scheduler.{i}": s for i, s in enumerate(accelerator._schedulers)}
-    objects.update({f"custom.{i}": obj for i, obj in enumerate(accelerator._custom_objects)})
+    objects = {f"scheduler.{i}": s for i, s in enumerate(state.schedulers)}
+    objects.update({f"custom.{i}": obj for i, obj in enumerate(state.custom_objects)})
     return {k: None if for_load else (obj.state_dict(),) for k, obj in objects.items()}
 
 
-def save_state(plugin, output_dir=None, **unused) -> Path:
+def save_state(state: TrainState, output_dir=None, **unused) -> Path:
     """Write this rank's part of a checkpoint; the main process publishes it once every rank is done."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -145,54 +119,57 @@ def save_state(plugin, output_dir=None, **unused) -> Path:
     from .asynchronous import wait_pending
 
     wait_pending()  # an async save in flight finishes (and publishes) before anything else touches the disk
-    accelerator = plugin.accelerator
-    model = _the_model(accelerator)
-    final = _target(accelerator, output_dir)
+    model = state.the_model()
+    final = _target(state, output_dir)
     tmp = temp_sibling(final)
-    main = accelerator.is_main_process
+    main = state.is_main_process
     if main:
         if tmp.exists():  # left by a save that was interrupted: never part of a good checkpoint
             shutil.rmtree(tmp)
         (tmp / DCP_DIR).mkdir(parents=True)
         (tmp / RNG_DIR).mkdir()
-    _barrier(accelerator)
-    named = named_state(model, _optimizers(accelerator) or None)
-    state = {**named.flat, **_small_state(accelerator)}
-    tensors, meta = _rng_tensors(accelerator)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(_rng_file(tmp, accelerator.process_index)),
+    state.barrier()
+    named = named_state(model, state.torch_optimizers() or None)
+    values = {**named.flat, **_small_state(state)}
+    tensors, meta = _rng_tensors(state)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(_rng_file(tmp, state.process_index)),
               metadata=meta)
-    loaders = [dl.describe(loader, _dp_size(plugin)) for loader in accelerator._dataloaders]
-    finalize = _publisher(plugin, model, tmp, final, loaders) if main else None
-    writer, no_dist = dcp.FileSystemWriter(str(tmp / DCP_DIR)), not _distributed(accelerator)
-    if plugin.config.async_save:  # published in the background once every rank's files are written
+    loaders = [dl.describe(loader, state.dp_size) for loader in state.dataloaders]
+    finalize = _publisher(state, model, tmp, final, loaders) if main else None
+    writer, no_dist = dcp.FileSystemWriter(str(tmp / DCP_DIR)), not state.distributed
+    if state.config.async_save:  # published in the background once every rank's files are written
         from .asynchronous import start
 
-        _barrier(accelerator)  # every rank's RNG file is written before the marker can be
-        start(state, writer, no_dist, finalize)
-        accelerator.project_configuration.iteration += 1
+        state.barrier()  # every rank's RNG file is written before the marker can be
+        start(values, writer, no_dist, finalize)
+        _next_iteration(state)
         logger.info("saving checkpoint %s in the background", final)
         return final
     with quiet_single_process():
-        dcp.save(state, storage_writer=writer, no_dist=no_dist)
-    _barrier(accelerator)  # every rank's files are written
+        dcp.save(values, storage_writer=writer, no_dist=no_dist)
+    state.barrier()  # every rank's files are written
     if main:
         finalize()
-    _barrier(accelerator)  # nobody returns before the checkpoint is visible under its final name
-    accelerator.project_configuration.iteration += 1
+    state.barrier()  # nobody returns before the checkpoint is visible under its final name
+    _next_iteration(state)
     logger.info("saved checkpoint %s", final)
     return final
 
 
-def _publisher(plugin, model, tmp: Path, final: Path, loaders: list[dict]):
+def _next_iteration(state: TrainState) -> None:
+    if state.project is not None:
+        state.project.iteration += 1
+
+
+def _publisher(state: TrainState, model, tmp: Path, final: Path, loaders: list[dict]):
     """What the main process does once every rank's files are written: config, marker, rename, retention. The
     marker's values are taken now, at the step being saved, not when an async save finishes."""
-    from .export import write_model_config
+    from .export.writer import write_model_config
 
-    accelerator = plugin.accelerator
     _, hf = hf_modules(model)
-    marker = _marker(plugin, hf, loaders)
-    project = accelerator.project_configuration
-    limit = project.total_limit if project.automatic_checkpoint_naming else None
+    marker = _marker(state, hf, loaders)
+    project = state.project
+    limit = project.total_limit if project is not None and project.automatic_checkpoint_naming else None
 
     def finalize() -> None:
         write_model_config(hf, tmp)
@@ -204,49 +181,49 @@ def _publisher(plugin, model, tmp: Path, final: Path, loaders: list[dict]):
     return finalize
 
 
-def _optimizer_step(accelerator) -> int | None:
+def _optimizer_step(state: TrainState) -> int | None:
     """Optimizer steps taken, from the optimizer's own per-parameter ``step`` (Adam-style) where it keeps one."""
-    for optimizer in _optimizers(accelerator):
+    for optimizer in state.torch_optimizers():
         for state in optimizer.state.values():
             if "step" in state:
                 return int(state["step"])
     return None
 
 
-def _marker(plugin, hf, loaders: list[dict]) -> dict:
+def _marker(state: TrainState, hf, loaders: list[dict]) -> dict:
     import transformers
 
-    accelerator, c = plugin.accelerator, plugin.config
+    c = state.config
     sizes = {f"{d}_size": getattr(c, f"{d}_size") for d in ("dp_replicate", "dp_shard", "tp", "cp", "pp")}
     return {
         "format": FORMAT, "version": VERSION, "kind": "training_state",
-        "step": int(accelerator.step), "optimizer_step": _optimizer_step(accelerator),
-        "steps_taken": plugin.fault.step,  # optimizer steps, skipped ones included: what fault reports count from
-        "save_iteration": int(accelerator.project_configuration.iteration),
-        "world_size": int(accelerator.num_processes), "layout": sizes, "dp_size": _dp_size(plugin),
+        "step": int(state.step), "optimizer_step": _optimizer_step(state),
+        "steps_taken": state.steps_taken,  # optimizer steps, skipped ones included: what fault reports count from
+        "save_iteration": int(state.project.iteration) if state.project is not None else 0,
+        "world_size": int(state.num_processes), "layout": sizes, "dp_size": state.dp_size,
         "model_class": type(hf).__name__.removeprefix("FSDP"), "tied": tied_keys(hf),
-        "optimizers": len(accelerator._optimizers), "schedulers": len(accelerator._schedulers),
-        "custom_objects": len(accelerator._custom_objects), "dataloaders": loaders,
+        "optimizers": len(state.optimizers), "schedulers": len(state.schedulers),
+        "custom_objects": len(state.custom_objects), "dataloaders": loaders,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
 
 # -------------------------------------------------------------------------------------------------- load
-def _source(accelerator, input_dir) -> Path:
+def _source(state: TrainState, input_dir) -> Path:
     if input_dir is not None:
         return Path(os.path.expanduser(str(input_dir)))
-    if not accelerator.project_configuration.automatic_checkpoint_naming:
+    if state.project is None or not state.project.automatic_checkpoint_naming:
         raise CheckpointError("load_state needs an input_dir, or automatic_checkpoint_naming=True to load the latest")
-    root = Path(accelerator.project_dir) / "checkpoints"
+    root = Path(state.project_dir) / "checkpoints"
     done = auto_checkpoints(root)
     if not done:
         raise CheckpointError(f"no complete checkpoint under {root} (a directory counts once its {MARKER} exists)")
     return done[-1]
 
 
-def _all_ranks(accelerator, local: dict) -> dict:
+def _all_ranks(state: TrainState, local: dict) -> dict:
     """Union over ranks of {key: shape}: every rank must take the same decision before any collective load."""
-    if not _distributed(accelerator):
+    if not state.distributed:
         return dict(local)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -256,10 +233,10 @@ def _all_ranks(accelerator, local: dict) -> dict:
     return merged
 
 
-def _validate(accelerator, path: Path, marker: dict, named, metadata) -> None:
+def _validate(state: TrainState, path: Path, marker: dict, named, metadata) -> None:
     dcp_dir = path / DCP_DIR
     check_shard_files(dcp_dir, metadata)
-    expected = _all_ranks(accelerator, {k: global_shape(v) for k, v in named.flat.items()})
+    expected = _all_ranks(state, {k: global_shape(v) for k, v in named.flat.items()})
     check_keys(metadata, {k: v for k, v in expected.items() if k.startswith(MODEL + ".")}, MODEL, path, "model")
     optim_expected = {k: v for k, v in expected.items() if k.startswith(OPTIM + ".")}
     if optim_expected and marker.get("optimizers", 0) == 0:
@@ -267,7 +244,7 @@ def _validate(accelerator, path: Path, marker: dict, named, metadata) -> None:
                               "prepare the optimizer after load_state, or load a checkpoint saved with one")
     if optim_expected:  # no optimizer prepared (evaluation): its state in the checkpoint is simply not read
         check_keys(metadata, optim_expected, OPTIM, path, "optimizer")
-    for kind, have in (("schedulers", accelerator._schedulers), ("custom_objects", accelerator._custom_objects)):
+    for kind, have in (("schedulers", state.schedulers), ("custom_objects", state.custom_objects)):
         if marker.get(kind, 0) < len(have):  # fewer is fine (e.g. evaluation): the others are not read
             raise CheckpointError(f"{path} holds {marker.get(kind, 0)} {kind.replace('_', ' ')}, this run prepared "
                                   f"{len(have)}; prepare/register the same ones as the saved run")
@@ -300,29 +277,29 @@ def _load_values(values: dict, reader, no_dist: bool, path: Path) -> None:
                               f"{text[-500:]}") from None
 
 
-def load_state(plugin, input_dir=None, **unused) -> dict:
-    """Check everything, then load model, optimizer, schedulers, RNG and dataloader positions. Returns the marker."""
+def load_state(state: TrainState, input_dir=None, **unused) -> dict:
+    """Check everything, then load model, optimizer, schedulers, RNG and dataloader positions. Returns the marker,
+    whose ``step`` and ``steps_taken`` the caller hands back to the loop and to fault handling."""
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
     from .asynchronous import wait_pending
 
     wait_pending()  # the latest checkpoint may still be in flight
-    accelerator = plugin.accelerator
-    path = _source(accelerator, input_dir)
+    path = _source(state, input_dir)
     marker = read_marker(path)
     metadata = read_dcp_metadata(path / DCP_DIR)
-    model = _the_model(accelerator)
-    fresh = [o for o in _optimizers(accelerator) if not o.state]
-    named = named_state(model, _optimizers(accelerator) or None, for_load=True)  # initialises fresh optimizers
-    small = _small_state(accelerator, for_load=True)
+    model = state.the_model()
+    fresh = [o for o in state.torch_optimizers() if not o.state]
+    named = named_state(model, state.torch_optimizers() or None, for_load=True)  # initialises fresh optimizers
+    small = _small_state(state, for_load=True)
     values = {k: v for k, v in named.flat.items() if not isinstance(v, torch.Tensor)}
     values.update(small)
     tensors = {k: v for k, v in named.flat.items() if isinstance(v, torch.Tensor)}
     reader = safe_reader(path / DCP_DIR, metadata)
-    no_dist = not _distributed(accelerator)
+    no_dist = not state.distributed
     try:
-        _validate(accelerator, path, marker, named, metadata)
+        _validate(state, path, marker, named, metadata)
         _load_values(values, reader, no_dist, path)  # before any weight is overwritten
     except CheckpointError:
         for optimizer in fresh:  # refused: leave the optimizers as they were (no state yet)
@@ -332,27 +309,25 @@ def load_state(plugin, input_dir=None, **unused) -> dict:
         dcp.load(tensors, storage_reader=reader, planner=safe_load_planner(), no_dist=no_dist)
     named.flat = {k: tensors[k] if k in tensors else values[k] for k in named.flat}  # DCP replaced the values
     named.restore()
-    for i, scheduler in enumerate(accelerator._schedulers):
+    for i, scheduler in enumerate(state.schedulers):
         scheduler.load_state_dict(values[f"scheduler.{i}"][0])
-    for i, obj in enumerate(accelerator._custom_objects):
+    for i, obj in enumerate(state.custom_objects):
         obj.load_state_dict(values[f"custom.{i}"][0])
-    rank = accelerator.process_index
+    rank = state.process_index
     saved_world = int(marker["world_size"])
-    if saved_world != accelerator.num_processes:
-        dl.warnings.warn(f"{path} was saved by {saved_world} ranks, this run has {accelerator.num_processes}: rank r "
+    if saved_world != state.num_processes:
+        dl.warnings.warn(f"{path} was saved by {saved_world} ranks, this run has {state.num_processes}: rank r "
                          f"takes the RNG states of saved rank r mod {saved_world}", dl.CheckpointWarning, stacklevel=3)
     with safe_open(str(_rng_file(path, rank % saved_world)), "pt") as f:
         rng = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         _set_rng(rng, f.metadata())
-    _restore_loaders(plugin, marker, rng)
-    accelerator.step = int(marker.get("step", 0))
-    plugin.fault.resumed_at(int(marker.get("steps_taken") or marker.get("optimizer_step") or 0))
+    _restore_loaders(state, marker, rng)
     logger.info("loaded checkpoint %s (saved under %s on %d ranks)", path, marker.get("layout"), saved_world)
     return marker
 
 
-def _restore_loaders(plugin, marker: dict, rng: dict) -> None:
-    loaders, saved = plugin.accelerator._dataloaders, marker.get("dataloaders", [])
+def _restore_loaders(state: TrainState, marker: dict, rng: dict) -> None:
+    loaders, saved = state.dataloaders, marker.get("dataloaders", [])
     if not loaders:
         return
     if len(saved) != len(loaders):
@@ -361,5 +336,5 @@ def _restore_loaders(plugin, marker: dict, rng: dict) -> None:
                          dl.CheckpointWarning, stacklevel=3)
         return
     for i, (loader, pos) in enumerate(zip(loaders, saved)):
-        batches = dl.resume_at(pos, loader, _dp_size(plugin), i)
+        batches = dl.resume_at(pos, loader, state.dp_size, i)
         dl.restore(loader, pos, batches, rng.get(f"loader.{i}.torch"), rng.get(f"loader.{i}.generator"))

@@ -1,1 +1,1 @@
-"""The `nd-parallel` command: demo | train | plan | export | make-tiny (main.py)."""
+"""The `nd-parallel` command: demo | train | plan | export | make-tiny (main.py parses and dispatches)."""

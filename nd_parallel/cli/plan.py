@@ -10,22 +10,24 @@ import sys
 
 from nd_parallel.planner import (
     CHECKPOINTING,
+    PP_SCHEDULES,
     Cluster,
     Constraints,
+    Layout,
     PlannerError,
     Training,
     UnitError,
+    load_config,
     parse_bandwidth,
     parse_bytes,
     parse_flops,
+    plan,
     scale_lr,
-    search,
     spec_from_path,
     table,
     to_json,
     yaml_blocks,
 )
-from nd_parallel.planner.search import PP_SCHEDULES
 
 PINS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "cp": "--cp", "pp": "--pp"}
 
@@ -94,10 +96,8 @@ def profile_rates(model: str, cluster: Cluster, spec, train: Training) -> tuple[
     import torch
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.distributed.pipeline.balance import profile_layers, sample_batch
+    from nd_parallel.distributed.pipeline.balance.measure import profile_layers, sample_batch
     from nd_parallel.models.hf import text_config
-    from nd_parallel.planner.layout import Layout
-    from nd_parallel.planner.spec import load_config
     from nd_parallel.planner.timing import _rank_mb_seconds
 
     config = load_config(model)
@@ -130,7 +130,7 @@ def cmd_plan(args) -> int:
         cons = Constraints(sizes=pins, micro_batch=args.micro_batch, schedule=args.schedule,
                            checkpointing=args.checkpointing, cp_backend=args.cp_backend,
                            cross_node_tp=args.cross_node_tp)
-        result = search(spec, train, cluster, cons)
+        result = plan(spec, train, cluster, cons)
         lr = _lr(args, args.global_batch)
     except (PlannerError, UnitError) as err:
         print(f"nd-parallel plan: error: {err}", file=sys.stderr)

@@ -170,7 +170,7 @@ def _split_and_shard(model: nn.Module, mesh: ParallelMesh | None, config: Parall
     if config.cp_size > 1:
         pipe.cp, pipe.pad_id = context_parallel.runtime_for(mesh, config), context_parallel.pad_token_id(model)
     if config.pp_timeline:
-        from .pipeline.timeline import TimelineRecorder, attach
+        from .pipeline.timeline.record import TimelineRecorder, attach
 
         attach(pipe, TimelineRecorder(mesh["pp"].get_group()), out_dir=config.pp_timeline,
                write_at_step=config.pp_timeline_step)

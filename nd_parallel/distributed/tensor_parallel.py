@@ -25,8 +25,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
 from nd_parallel.models import hf
-from nd_parallel.models.peft import KeepRequiresGrad, expand_plan
 
 logger = logging.getLogger(__name__)
 

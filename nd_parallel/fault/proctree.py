@@ -1,6 +1,6 @@
 """A process and all its descendants, found with psutil when installed, else from /proc (Linux).
 
-The launcher (launch.py) uses it to end every rank and dataloader worker, and the shutdown test to prove none is
+The launcher (fault/launch.py) uses it to end every rank and dataloader worker, and the shutdown test to prove none is
 left. A descendant whose parent died is re-parented to init and is no longer found from the root: callers keep the
 pids they saw earlier (``known``) and check those too.
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 logger = logging.getLogger("nd_parallel")
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-STATE_MARKER = Path("nd_parallel") / "nd_parallel.json"  # hf_trainer.STATE_DIR + checkpoint/format.MARKER
+STATE_MARKER = Path("nd_parallel") / "nd_parallel.json"  # plugins/trainer/adopt.STATE_DIR + checkpoint/format.MARKER
 
 
 def complete_checkpoints(output_dir) -> list[Path]:

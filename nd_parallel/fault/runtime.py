@@ -1,10 +1,12 @@
-"""What the plugin calls at each point of a run; the pieces live beside it (watchdog, agreement, nonfinite, signals).
+"""What an integration calls at each point of a run; the mechanisms live beside it (watchdog, agreement,
+nonfinite, signals).
 
-One ``FaultTolerance`` per plugin. It owns the watchdog thread, the non-finite guard, the preemption flag and the
-order in which a process ends: the watchdog stops, a pending async checkpoint finishes, then the process groups are
-destroyed (atexit). Leaving the process groups to interpreter teardown is what let a rank abort with "terminate
-called without an active exception": their communication threads were still joinable when C++ static destructors
-ran.
+One ``FaultTolerance`` per attached plugin. It is given the run's state as a ``TrainState`` (through a callable,
+since models and optimizers are prepared after it starts), never the plugin or the Accelerator. It owns the
+watchdog thread, the non-finite guard, the preemption flag and the order in which a process ends: the watchdog
+stops, a pending async checkpoint finishes, then the process groups are destroyed (atexit). Leaving the process
+groups to interpreter teardown is what let a rank abort with "terminate called without an active exception":
+their communication threads were still joinable when C++ static destructors ran.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import atexit
 import logging
 import types
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from nd_parallel.checkpoint.train_state import TrainState
 
 from . import agreement
 from .nonfinite import NonFiniteGuard, check_state_finite
@@ -26,12 +31,12 @@ logger = logging.getLogger("nd_parallel")
 
 
 class FaultTolerance:
-    def __init__(self, plugin):
-        self.plugin = plugin
-        accelerator = plugin.accelerator
-        self.device = accelerator.device
-        self.distributed = dist.is_initialized() and accelerator.num_processes > 1
-        config = plugin.config
+    def __init__(self, config, device: torch.device, distributed: bool, state: Callable[[], TrainState]):
+        """``state()``: the run's TrainState as it is when asked (prepared models and optimizers)."""
+        self.state = state
+        self.device = device
+        self.distributed = distributed
+        self.config = config
         self.hang_timeout = resolve_timeout(config.hang_timeout, self.device.type)
         self.step = 0  # optimizer steps taken (skipped ones included), the step every report names
         self.watchdog: Watchdog | None = None
@@ -67,7 +72,7 @@ class FaultTolerance:
 
     def check_agreement(self, objects) -> None:
         if self.distributed:
-            agreement.check(agreement.fields_of(self.plugin.config, objects))
+            agreement.check(agreement.fields_of(self.config, objects))
 
     def on_optimizer(self, optimizer) -> None:
         """Count steps, check loss and norm before the step, and drop a step the guard marked as skipped."""
@@ -114,17 +119,18 @@ class FaultTolerance:
 
     def before_save(self) -> None:
         """No checkpoint with a NaN/Inf: check this rank's model and optimizer state (one collective)."""
-        named = [(n, p) for model in self.plugin._models for n, p in model.named_parameters()]
+        now = self.state()
+        named = [(n, p) for model in now.models for n, p in model.named_parameters()]
         names = {id(p): n for n, p in named}
-        for i, opt in enumerate(self.plugin.accelerator._optimizers):
-            inner = getattr(opt, "optimizer", opt)
+        for i, inner in enumerate(now.torch_optimizers()):
             for p, state in inner.state.items():
                 named += [(f"optimizer {i} {k} of {names.get(id(p), '?')}", v) for k, v in state.items()
                           if isinstance(v, torch.Tensor) and v.ndim > 0]
         check_state_finite(named, self.distributed, self.step)
 
     def _named_grads(self):
-        return [(n, p.grad) for model in self.plugin._models for n, p in model.named_parameters() if p.grad is not None]
+        return [(n, p.grad) for model in self.state().models for n, p in model.named_parameters()
+                if p.grad is not None]
 
     # -------------------------------------------------------------------------------------------- exit
     def stop_watchdog(self) -> None:

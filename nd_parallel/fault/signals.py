@@ -64,7 +64,7 @@ class _ShieldedInit:
     Torchrun signals each rank's whole process group, which holds its dataloader workers, and torch's worker handler
     dies on a SIGTERM not sent by its rank: the rank would lose its data in the middle of the step it must finish
     before the preemption checkpoint. The workers still end: the rank shuts them down when it exits, they watch for
-    its death, and the launcher SIGKILLs whatever is left (launch.py)."""
+    its death, and the launcher SIGKILLs whatever is left (fault/launch.py)."""
 
     def __init__(self, init=None):
         self.init = init

@@ -1,12 +1,7 @@
 """Memory-efficient loading: the model is built without weights, and each rank reads only what it will own.
 
-``build_meta_model`` builds a causal LM from its config on the meta device (accelerate's
-``init_empty_weights(include_buffers=False)``): parameters have shapes and dtypes but no storage, while buffers
-are still computed on the CPU by the model's own ``__init__``, so non-persistent buffers (rotary ``inv_freq``,
-embedding scales) get the values a normal build gives. Only the safetensors *headers* are read there: every
-parameter is matched to its checkpoint key (through transformers' own key renamings) and its shape checked,
-so a wrong checkpoint fails before any process group exists.
-
+``from_pretrained`` is the one way nd_parallel loads a causal LM. Its memory-efficient path builds the model on
+the meta device (``meta.build_meta_model``, which reads only the safetensors headers: ``checkpoint_files``).
 At ``accelerator.prepare`` the plugin splits and shards the meta model exactly as it would a real one (PP
 stages, TP, FSDP/HSDP all work on meta tensors), then ``load_local_shards`` gives every parameter storage on
 the device (``to_empty``) and fills each rank's local piece from ``safe_open(...).get_slice(key)[box]``, where
@@ -17,69 +12,30 @@ peak is about its own shards plus one block, not the model.
 
 The values equal those of a plain ``from_pretrained``: the same bytes from the same file, cast to the
 parameter's dtype the way transformers casts them. Where that cannot be promised (weights that transformers
-*converts* on load, such as MoE experts stacked into one tensor; fp32-kept modules; non-safetensors files), the
-plugin falls back to the plain path with a warning.
+*converts* on load, such as MoE experts stacked into one tensor; fp32-kept modules; non-safetensors files),
+``from_pretrained`` falls back to the plain path with a warning.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-logger = logging.getLogger(__name__)
+from .checkpoint_files import PlainLoadNeeded, Tensors
+from .meta import ATTR, LazyCheckpoint, build_meta_model, build_meta_peft_model, lazy_checkpoint
+from .peft import check_targets
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
-ATTR = "_nd_parallel_checkpoint"  # where a meta-built model keeps the description of its checkpoint
+__all__ = ["LoadReport", "PlainLoadNeeded", "build_meta_model", "from_pretrained", "lazy_checkpoint",
+           "load_local_shards", "reads_whole_model"]
+
+logger = logging.getLogger(__name__)
 
 # Reads go in blocks of about this many bytes of the file, each mapped and unmapped on its own (read_into).
 READ_BLOCK_BYTES = 16 * 2**20
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-
-
-class PlainLoadNeeded(Exception):
-    """The checkpoint or the arguments need transformers' own loader; the message says why."""
-
-
-@dataclass
-class Tensors:
-    """What the safetensors headers say: checkpoint key -> file, shape and dtype."""
-
-    files: dict[str, str]
-    shapes: dict[str, tuple[int, ...]]
-    dtypes: dict[str, str]
-
-    @property
-    def num_files(self) -> int:
-        return len(set(self.files.values()))
-
-
-@dataclass
-class LazyCheckpoint:
-    """Attached to a meta-built model: where each of its tensors lives in the checkpoint."""
-
-    directory: str
-    tensors: Tensors
-    names: dict[str, str]  # model state-dict name (every alias of a tied weight) -> checkpoint key
-    unexpected: list[str] = field(default_factory=list)  # checkpoint keys the model has no place for
-    # Tensors that are not in the checkpoint but known in full on every rank (a fresh PEFT adapter's init):
-    # model name -> full tensor; each rank copies its own box of it, like a checkpoint read.
-    initial: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def initial_tensors(self) -> list[torch.Tensor]:
-        return [self.initial[k] for k in sorted(self.initial)]
 
 
 @dataclass
@@ -89,217 +45,6 @@ class LoadReport:
     tensors: int = 0
     bytes_read: int = 0
     bytes_total: int = 0  # the whole checkpoint, for the ratio in the log line
-
-
-# ------------------------------------------------------------------------------------------ checkpoint side
-def read_headers(directory: str | Path) -> Tensors:
-    """Key -> file/shape/dtype of a safetensors checkpoint, single file or sharded with an index."""
-    directory = Path(directory)
-    index = directory / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index} has no 'weight_map'; the sharded checkpoint's index is damaged")
-        listed = sorted(set(weight_map.values()))
-    elif (directory / SINGLE_NAME).is_file():
-        weight_map, listed = None, [SINGLE_NAME]
-    else:
-        raise PlainLoadNeeded(f"{directory} holds neither {SINGLE_NAME} nor {INDEX_NAME}")
-    tensors = Tensors({}, {}, {})
-    for name in listed:
-        path = directory / name
-        if not path.is_file():
-            raise FileNotFoundError(f"{index} lists {name}, which is missing from {directory}; the checkpoint is "
-                                    "incomplete (an interrupted download or save?)")
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as err:  # safetensors checks the header against the file size
-            raise ValueError(f"{path} is not a readable safetensors file ({err}); is it truncated?") from err
-        with handle as f:
-            for key in f.keys():
-                piece = f.get_slice(key)
-                tensors.files[key] = str(path)
-                tensors.shapes[key] = tuple(piece.get_shape())
-                tensors.dtypes[key] = piece.get_dtype()
-    if weight_map is not None:
-        absent = sorted(k for k, file in weight_map.items() if tensors.files.get(k) != str(directory / file))
-        if absent:
-            raise ValueError(f"{index} places {len(absent)} tensors in files that do not hold them "
-                             f"(first: '{absent[0]}' in {weight_map[absent[0]]}); the checkpoint is damaged")
-    return tensors
-
-
-def resolve_dtype(dtype, config, tensors: Tensors) -> torch.dtype:
-    """transformers' rule: None/"auto" -> the config's dtype, else the first floating tensor's; a name -> torch's."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        if getattr(config, "dtype", None) is not None:
-            found = config.dtype
-            return getattr(torch, found) if isinstance(found, str) else found
-        first = next(iter(tensors.files.values()))
-        floating = [d for k, d in tensors.dtypes.items() if tensors.files[k] == first and _DTYPES.get(d, torch.int8)
-                    .is_floating_point]
-        return _DTYPES[floating[0]] if floating else torch.get_default_dtype()
-    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        return getattr(torch, dtype)
-    raise PlainLoadNeeded(f"dtype={dtype!r}")
-
-
-# ----------------------------------------------------------------------------------------------- model side
-def _split_kwargs(path, hf_kwargs: dict):
-    """(config, dtype argument, model kwargs, key mapping), or PlainLoadNeeded for keywords only the plain path
-    knows (device_map, quantization_config, tp_plan, variant, ...); config attributes are overrides, as in
-    from_pretrained."""
-    from transformers import AutoConfig
-
-    kwargs = dict(hf_kwargs)
-    dtype = kwargs.pop("dtype", None)
-    dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
-    model_kwargs = {k: kwargs.pop(k) for k in ("attn_implementation", "trust_remote_code") if k in kwargs}
-    key_mapping = kwargs.pop("key_mapping", None)
-    config = kwargs.pop("config", None)
-    if config is None:
-        trust = model_kwargs.get("trust_remote_code", False)  # never True unless the user asked for it
-        config, kwargs = AutoConfig.from_pretrained(path, return_unused_kwargs=True, trust_remote_code=trust,
-                                                    **kwargs)
-    if kwargs:
-        raise PlainLoadNeeded(f"from_pretrained arguments {sorted(kwargs)}")
-    return config, dtype, model_kwargs, key_mapping
-
-
-def _weight_transforms(model: nn.Module, key_mapping):
-    """transformers' renamings and converters for this model (4.x has none: identity)."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-    except ImportError:  # older transformers: checkpoint keys are module names
-        return [], [], []
-    try:
-        mapping = get_model_conversion_mapping(model, key_mapping)
-    except TypeError as err:  # another transformers 5.x signature: its own loader knows it
-        raise PlainLoadNeeded(f"transformers' conversion mapping API is not the one known here ({err})") from err
-    return (mapping, [m for m in mapping if isinstance(m, WeightRenaming)],
-            [m for m in mapping if isinstance(m, WeightConverter)])
-
-
-def _rename(key: str, renamings, converters, prefix: str, expected: dict) -> tuple[str, bool]:
-    """The model name a checkpoint key loads into, and whether a converter (not a plain rename) is needed."""
-    try:
-        from transformers.core_model_loading import rename_source_key
-    except ImportError:
-        rename_source_key = None
-    if rename_source_key is not None:
-        try:
-            renamed, converter = rename_source_key(key, renamings, converters, prefix, expected)
-        except TypeError as err:
-            raise PlainLoadNeeded(f"transformers' key renaming API is not the one known here ({err})") from err
-        if renamed not in expected and key in expected:
-            renamed, converter = key, None  # transformers keeps a key that already names a parameter
-        return renamed, converter is not None
-    # Without conversion mappings only the base-model prefix may differ (a base-model checkpoint).
-    if key not in expected and prefix and f"{prefix}.{key}" in expected:
-        return f"{prefix}.{key}", False
-    if key not in expected and prefix and key.startswith(prefix + ".") and key[len(prefix) + 1:] in expected:
-        return key[len(prefix) + 1:], False
-    return key, False
-
-
-def match_checkpoint(model: nn.Module, tensors: Tensors, key_mapping=None) -> LazyCheckpoint:
-    """Map every parameter and persistent buffer of ``model`` to its checkpoint key, checking shapes.
-
-    Raises ``PlainLoadNeeded`` where transformers would convert tensors on load, and ``ValueError`` for a
-    checkpoint that does not fit the model (missing parameters, wrong shapes), naming the first offender.
-    """
-    expected = model.state_dict()  # meta tensors: names and shapes only; tied weights appear under every name
-    mapping, renamings, converters = _weight_transforms(model, key_mapping)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    names, unexpected, converted = {}, [], []
-    for key in sorted(tensors.files):
-        target, needs_converter = _rename(key, renamings, converters, prefix, expected)
-        if target not in expected:
-            unexpected.append(key)
-        elif needs_converter:
-            converted.append(key)
-        else:
-            names[target] = key
-    if converted:
-        raise PlainLoadNeeded(f"{len(converted)} checkpoint tensors (first: '{converted[0]}') are converted by "
-                              "transformers on load (merged/split), which is not read slice by slice")
-    model._weight_conversions = [m for m in mapping if m.was_used()]  # as transformers keeps them for saving
-    _fill_tied_names(model, names)
-    missing = [n for n, t in expected.items() if n not in names and not _is_buffer_kept(model, n)]
-    if missing:
-        raise ValueError(
-            f"{len(missing)} parameters of {type(model).__name__} are not in the checkpoint (first: '{missing[0]}'); "
-            "a plain from_pretrained would initialise them randomly, which the memory-efficient path does not do. "
-            "Use a checkpoint that holds them, or plugin.from_pretrained(path, memory_efficient=False)"
-        )
-    wrong = [(n, tuple(t.shape), tensors.shapes[names[n]]) for n, t in expected.items()
-             if n in names and tuple(t.shape) != tensors.shapes[names[n]]]
-    if wrong:
-        name, want, got = wrong[0]
-        raise ValueError(f"{len(wrong)} checkpoint tensors do not fit {type(model).__name__} (first: '{name}' has "
-                         f"shape {got} in the checkpoint, the model expects {want}); is it a checkpoint of another "
-                         "model or config?")
-    return LazyCheckpoint("", tensors, names, unexpected)
-
-
-def _fill_tied_names(model: nn.Module, names: dict[str, str]) -> None:
-    """Every alias of a shared parameter reads the key of its first alias found (the embedding for a tied head,
-    as transformers ties the head to the embedding)."""
-    aliases: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(param), []).append(name)
-    for group in aliases.values():
-        source = next((names[n] for n in group if n in names), None)
-        if source is not None:
-            for n in group:
-                names[n] = source
-
-
-def _is_buffer_kept(model: nn.Module, name: str) -> bool:
-    """A persistent buffer the checkpoint lacks keeps the value the model's __init__ computed."""
-    module_name, _, leaf = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    return leaf in module._buffers
-
-
-def build_meta_model(path: str | Path, **hf_kwargs) -> nn.Module:
-    """A causal LM with meta parameters, real buffers, and a ``LazyCheckpoint`` describing where its weights are.
-
-    Raises ``PlainLoadNeeded`` where only transformers' own loader gives the right model.
-    """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    directory = Path(path)
-    if not directory.is_dir():
-        raise PlainLoadNeeded(f"'{path}' is not a local directory (download it first, e.g. `hf download`)")
-    tensors = read_headers(directory)
-    config, dtype, model_kwargs, key_mapping = _split_kwargs(str(directory), hf_kwargs)
-    dtype = resolve_dtype(dtype, config, tensors)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
-    # init_empty_weights re-creates every parameter it registers, which undoes the tie made inside __init__.
-    model.tie_weights()
-    if getattr(model, "_get_dtype_plan", None) and model._get_dtype_plan(dtype):
-        raise PlainLoadNeeded(f"{type(model).__name__} keeps some modules in fp32 when loaded as {dtype}")
-    lazy = match_checkpoint(model, tensors, key_mapping)
-    lazy.directory = str(directory)
-    # Stale buffers old checkpoints carry, and the model's own ignore list, are dropped silently as transformers does.
-    ignore = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq",
-              r"(^|\.)position_ids$"]
-    unexpected = [k for k in lazy.unexpected if not any(re.search(p, k) for p in ignore)]
-    if unexpected:
-        logger.warning("%d checkpoint tensors have no place in %s and are not read (first: '%s')",
-                       len(unexpected), type(model).__name__, unexpected[0])
-    model.config.name_or_path = str(path)
-    if (directory / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None:
-        model.generation_config = GenerationConfig.from_pretrained(directory)
-    model.eval()  # as from_pretrained returns it
-    setattr(model, ATTR, lazy)
-    return model
 
 
 def reads_whole_model(config) -> str | None:
@@ -313,11 +58,6 @@ def reads_whole_model(config) -> str | None:
     if config.pp_size > 1 and config.pp_balance == "profile":
         return "pp_balance='profile' times every layer on every rank"
     return None
-
-
-def lazy_checkpoint(model: nn.Module) -> LazyCheckpoint | None:
-    """The checkpoint a meta-built model still has to read, or None for a model with real weights."""
-    return getattr(model, ATTR, None)
 
 
 # -------------------------------------------------------------------------------------------- reading slices
@@ -383,7 +123,7 @@ def read_into(target: torch.Tensor, tensors: Tensors, key: str, block_bytes: int
             piece = f.get_tensor(key)
             local.copy_(piece)
             return piece.element_size()
-    row_bytes = _DTYPE_BYTES.get(tensors.dtypes[key], 1)
+    row_bytes = tensors.element_size(key)
     for n in tensors.shapes[key][1:]:
         row_bytes *= n
     rows, read = box[0], 0
@@ -420,7 +160,7 @@ def load_local_shards(modules: list[nn.Module], lazy: LazyCheckpoint, device: to
     with _SwapOnConversion():
         for module in modules:
             module.to_empty(device=device)
-    report = LoadReport(bytes_total=sum(_nbytes(lazy.tensors, k) for k in set(lazy.names.values())))
+    report = LoadReport(bytes_total=sum(lazy.tensors.nbytes(k) for k in set(lazy.names.values())))
     done: set[int] = set()
     with torch.no_grad():
         for module, buffers in zip(modules, kept):
@@ -457,13 +197,6 @@ def load_local_shards(modules: list[nn.Module], lazy: LazyCheckpoint, device: to
     return report
 
 
-def _nbytes(tensors: Tensors, key: str) -> int:
-    numel = 1
-    for n in tensors.shapes[key]:
-        numel *= n
-    return numel * _DTYPE_BYTES.get(tensors.dtypes[key], 1)
-
-
 # ------------------------------------------------------------------------------------------- the entry point
 def from_pretrained(path, memory_efficient: bool = True, peft_config=None, **hf_kwargs) -> nn.Module:
     """The one way nd_parallel loads a causal LM (``NDParallelPlugin.from_pretrained`` is this).
@@ -477,8 +210,6 @@ def from_pretrained(path, memory_efficient: bool = True, peft_config=None, **hf_
     if memory_efficient:
         try:
             if peft_config is not None:
-                from .peft import build_meta_peft_model
-
                 return build_meta_peft_model(path, peft_config, **hf_kwargs)
             return build_meta_model(path, **hf_kwargs)
         except PlainLoadNeeded as why:
@@ -489,8 +220,6 @@ def from_pretrained(path, memory_efficient: bool = True, peft_config=None, **hf_
     if peft_config is None:
         return model
     from peft import get_peft_model
-
-    from .peft import check_targets
 
     check_targets(model, peft_config)
     return get_peft_model(model, peft_config)

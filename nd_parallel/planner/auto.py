@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .entry import plan
+from .errors import PlannerError
 from .layout import Cluster, Training
-from .search import Constraints, Plan, search
-from .spec import ModelSpec, PlannerError, model_spec, spec_from_path
+from .search import Constraints, Plan
 from .units import parse_bytes
 
 
@@ -27,7 +28,8 @@ def local_memory(device: str, ranks_per_node: int) -> int:
 def top_plan(model, *, world_size: int, seq_len: int, global_batch: int, gpus_per_node: int | None = None,
              gpu_memory: int | str | None = None, dtype: str = "bf16", lora_rank: int | None = None,
              device: str | None = None, constraints: Constraints = Constraints(), **cluster: float) -> Plan:
-    """The fastest plan for `world_size` ranks; PlannerError (with the hint) when none fits."""
+    """The fastest plan for `world_size` ranks; PlannerError (with the hint) when none fits. `model`: whatever
+    `plan` takes (a path, a module or a ModelSpec)."""
     if device is None:
         import torch
 
@@ -36,15 +38,9 @@ def top_plan(model, *, world_size: int, seq_len: int, global_batch: int, gpus_pe
     if world_size % per_node:
         raise PlannerError(f"world_size={world_size} is not a multiple of gpus_per_node={per_node}")
     memory = parse_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else local_memory(device, per_node)
-    if isinstance(model, ModelSpec):
-        spec = model
-    elif isinstance(model, (str, os.PathLike)):
-        spec = spec_from_path(os.fspath(model))
-    else:
-        spec = model_spec(model)
-    result = search(spec, Training(seq_len=seq_len, global_batch=global_batch, dtype=dtype, lora_rank=lora_rank),
-                    Cluster(nodes=world_size // per_node, gpus_per_node=per_node, gpu_memory=memory, device=device,
-                            **cluster), constraints)
+    result = plan(model, Training(seq_len=seq_len, global_batch=global_batch, dtype=dtype, lora_rank=lora_rank),
+                  Cluster(nodes=world_size // per_node, gpus_per_node=per_node, gpu_memory=memory, device=device,
+                          **cluster), constraints)
     if not result.plans:
         raise PlannerError(result.hint)
     return result.plans[0]

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nd_parallel.models.hf import text_config
 
+from .meta import meta_model
+
 TOKENS = 8
 
 
@@ -162,8 +164,6 @@ def count_ops(config, tp_modules: list[nn.Module], tp_rest: list[nn.Module],
               lora_targets: tuple[str, ...] | None = None) -> OpCounts:
     """OpCounts of the causal LM `config` describes; `tp_modules` are one layer's TP-planned modules and `tp_rest`
     the TP-planned embedding/head (meta modules of the full model)."""
-    from .spec import meta_model
-
     ids = torch.zeros(1, TOKENS, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids}
     one, two = (_fwd_bwd(meta_model(_with_layers(config, n)), inputs) for n in (1, 2))

@@ -10,7 +10,9 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "pipelin
 
 
 def plan_fields(plan: Plan, result: PlanResult) -> dict:
-    """One plan as the JSON contract's fields (ARCHITECTURE.md) plus the knobs and breakdowns."""
+    """One plan as `nd-parallel plan --json` prints it: the sizes (`*_size`), `peak_memory_bytes`, `memory` and
+    `step_time_s` are the fields scripts read, so their names stay (the unit tests pin them); knobs and breakdowns
+    follow."""
     lay, mem = plan.layout, plan.memory
     tokens = result.train.global_batch * result.train.seq_len
     return {

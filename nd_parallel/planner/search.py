@@ -17,9 +17,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+from .errors import PlannerError
 from .layout import CHECKPOINTING, Cluster, Layout, Training
 from .memory import RankMemory, peak_memory
-from .spec import ModelSpec, PlannerError
+from .spec import ModelSpec
 from .timing import step_time
 from .units import format_bytes
 
@@ -152,7 +153,8 @@ def best_setting(spec, train, cluster, lay: Layout, cons: Constraints) -> tuple[
 
 
 def search(spec: ModelSpec, train: Training, cluster: Cluster, cons: Constraints = Constraints()) -> PlanResult:
-    """Rank every legal layout of `cluster` for training `spec` as `train` describes (see the module docstring)."""
+    """Rank every legal layout of `cluster` for training `spec` as `train` describes (see the module docstring).
+    Callers holding a model or a path rather than a ModelSpec go through `plan` (entry.py)."""
     start = time.perf_counter()
     check_inputs(spec, train, cluster, cons)
     plans, rejected, closest, evaluated = [], [], None, 0

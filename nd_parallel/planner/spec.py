@@ -1,6 +1,6 @@
 """What the planner needs to know about a model, read from the real model built on the meta device.
 
-No weight is read and no memory is allocated: `AutoModelForCausalLM.from_config` runs under
+No weight is read and no memory is allocated: meta.py runs `AutoModelForCausalLM.from_config` under
 `torch.device("meta")`, and every count below comes from that module tree (parameter shapes, which modules the
 model's own TP plan shards, which Linears a LoRA adapter would wrap), not from the config's numbers alone. The
 config is only used for what the module tree cannot say (head counts, tied embeddings, max positions).
@@ -8,22 +8,18 @@ config is only used for what the module tree cannot say (head counts, tied embed
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.nn as nn
 
 from nd_parallel.models import hf
 from nd_parallel.models.hf import UnsplittableModel, model_parts
 
+from .errors import PlannerError
+from .meta import load_config, meta_model
 from .ops import OpCounts, count_ops
-
-
-class PlannerError(ValueError):
-    """Input the planner cannot plan for; the message names the value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -100,51 +96,6 @@ class ModelSpec:
     def lora_layer_params(self, rank: int) -> int:
         """Trainable parameters a rank-`rank` LoRA adds to one layer: A (r x in) + B (out x r) per target."""
         return sum(rank * (i + o) for i, o in self.lora_linears)
-
-
-def load_config(model: str):
-    """A transformers config from a checkpoint directory or a config.json path (local files only)."""
-    from transformers import AutoConfig
-
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise PlannerError(f"MODEL={model!r} is a directory without config.json; pass a Hugging Face "
-                               "checkpoint directory or the path of its config.json")
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise PlannerError(f"MODEL={model!r}: cannot read it as JSON ({err}); pass a config.json") from None
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise PlannerError(f"MODEL={model!r} has no 'model_type'; pass a Hugging Face config.json")
-        kind = data.pop("model_type")
-        try:
-            return AutoConfig.for_model(kind, **data)
-        except ValueError as err:
-            raise PlannerError(f"MODEL={model!r}: {err}") from None
-    raise PlannerError(f"MODEL={model!r} does not exist; pass a local checkpoint directory or config.json "
-                       "(the planner reads no hub and no weights)")
-
-
-def meta_model(config) -> nn.Module:
-    """The causal LM built on the meta device: real module tree, no storage."""
-    import contextlib
-
-    from transformers import AutoModelForCausalLM
-
-    try:  # skipping the init functions takes an 8B model from seconds to milliseconds (meta has no values anyway)
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        no_init_weights = contextlib.nullcontext
-    with torch.device("meta"), no_init_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError as err:
-            raise PlannerError(f"{type(config).__name__} is not a causal LM transformers can build: {err}") from None
-    model.tie_weights()  # skipped with the init functions; tied embeddings count once
-    return model
 
 
 def _matches(plan: dict[str, str], name: str) -> str | None:

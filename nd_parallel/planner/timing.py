@@ -128,12 +128,9 @@ def _gather(nbytes: float, n: int, bw: float, latency: float) -> float:
     return (n - 1) / n * nbytes / bw + latency if n > 1 else 0.0
 
 
-def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> dict[str, float]:
-    """Seconds per optimizer step, by component (they sum to the step time)."""
-    p, m, lat = layout.pp, layout.microbatches, cluster.latency
-    p2p = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
-    b = train.compute_bytes
-    per_rank = [_rank_mb_seconds(spec, train, layout, cluster, r) for r in range(p)]
+def _compute(per_rank: list[float], layout: Layout, cluster: Cluster) -> dict[str, float]:
+    """The "compute" and "bubble" components from each pipeline rank's micro-batch seconds."""
+    p, m = layout.pp, layout.microbatches
     slowest = max(per_rank)
     out = {"compute": m * slowest, "bubble": 0.0}
     if p > 1:
@@ -146,21 +143,33 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
         critical = (m * slowest + fill) / cluster.idle_speedup
         out["compute"] = max(critical, m * sum(per_rank) / p) * m * slowest / (m * slowest + fill)
         out["bubble"] = max(critical, m * sum(per_rank) / p) - out["compute"]
+    return out
+
+
+def _data_parallel(train: Training, layout: Layout, cluster: Cluster, n_layers: int, total: float,
+                   trainable: float) -> dict[str, float]:
+    """FSDP's gathers and gradient reduction, and HSDP's all-reduce across replicas (empty without FSDP)."""
+    if not layout.fsdp:
+        return {}
+    m, lat, b = layout.microbatches, cluster.latency, train.compute_bytes
+    n, bw = layout.shard, _bandwidth(layout, cluster, "dp_shard")
+    per_group = (n_layers + 1)  # one group per layer + the root
+    # gloo has no reduce-scatter: torch runs an all-reduce of the whole gradient instead
+    scatter = (_allreduce if cluster.device == "cpu" else _gather)(FP32 * trainable, n, bw, 0)
+    gathers = 2 * _gather(b * total, n, bw, 0) + scatter
+    return {"fsdp": m * (gathers + 3 * per_group * lat * (n > 1)),
+            "dp": m * (_allreduce(FP32 * trainable / n, layout.dp_replicate,
+                                  _bandwidth(layout, cluster, "dp_replicate"), 0)
+                       + per_group * lat * (layout.dp_replicate > 1))}
+
+
+def _model_parallel(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster,
+                    n_layers: int) -> dict[str, float]:
+    """TP's all-reduces and logits gather, the CP ring's K/V hops, the pipeline's activation hops."""
+    p, m, lat, b = layout.pp, layout.microbatches, cluster.latency, train.compute_bytes
+    p2p = cluster.latency if cluster.p2p_latency is None else cluster.p2p_latency
     tokens = layout.micro_batch * train.seq_len / layout.cp
-    counts = uniform_layers(spec.num_layers, p * layout.virtual)
-    n_layers = max(sum(counts[s] for s in stages_of_rank(layout, r)) for r in range(p))
-    total = max(rank_params(spec, layout, r)[0] for r in range(p))
-    trainable = total if train.lora_rank is None else n_layers * spec.lora_layer_params(train.lora_rank)
-    if layout.fsdp:
-        n, bw = layout.shard, _bandwidth(layout, cluster, "dp_shard")
-        per_group = (n_layers + 1)  # one group per layer + the root
-        # gloo has no reduce-scatter: torch runs an all-reduce of the whole gradient instead
-        scatter = (_allreduce if cluster.device == "cpu" else _gather)(FP32 * trainable, n, bw, 0)
-        gathers = 2 * _gather(b * total, n, bw, 0) + scatter
-        out["fsdp"] = m * (gathers + 3 * per_group * lat * (n > 1))
-        out["dp"] = m * (_allreduce(FP32 * trainable / n, layout.dp_replicate,
-                                    _bandwidth(layout, cluster, "dp_replicate"), 0)
-                         + per_group * lat * (layout.dp_replicate > 1))
+    out = {}
     if layout.tp > 1:
         bw = _bandwidth(layout, cluster, "tp")
         hidden = b * tokens * spec.hidden
@@ -180,8 +189,13 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
         bw = _bandwidth(layout, cluster, "pp")
         hop = b * tokens * spec.hidden / layout.tp / bw + p2p
         out["pp"] = 2 * (m + p - 1) * hop * layout.virtual
-    out["optimizer"] = (28 * trainable / (layout.shard if layout.fsdp else 1) / cluster.mem_bw
-                        + _optimizer_dispatch(spec, train, layout, cluster))
+    return out
+
+
+def _add_dispatch(out: dict[str, float], spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster,
+                  per_rank: list[float]) -> None:
+    """Set "dispatch" (host time per step) and add its pipeline fill and drain to "bubble"."""
+    p, m = layout.pp, layout.microbatches
     host = [_dispatch_mb(spec, train, layout, cluster, r) for r in range(p)]
     if cluster.device != "cpu":  # the host queues kernels ahead of the device: only host time beyond it shows
         host = [max(0.0, h - c) for h, c in zip(host, per_rank)]
@@ -191,4 +205,21 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
         critical = (out["dispatch"] + host_fill) / cluster.idle_speedup
         total = max(critical, m * sum(host) / p)
         out["bubble"] += total - out["dispatch"]
+
+
+def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> dict[str, float]:
+    """Seconds per optimizer step, by component (they sum to the step time, in this key order: compute, bubble,
+    fsdp, dp, tp, cp, pp, optimizer, dispatch; the ones a layout does not use are absent)."""
+    p = layout.pp
+    per_rank = [_rank_mb_seconds(spec, train, layout, cluster, r) for r in range(p)]
+    out = _compute(per_rank, layout, cluster)
+    counts = uniform_layers(spec.num_layers, p * layout.virtual)
+    n_layers = max(sum(counts[s] for s in stages_of_rank(layout, r)) for r in range(p))
+    total = max(rank_params(spec, layout, r)[0] for r in range(p))
+    trainable = total if train.lora_rank is None else n_layers * spec.lora_layer_params(train.lora_rank)
+    out.update(_data_parallel(train, layout, cluster, n_layers, total, trainable))
+    out.update(_model_parallel(spec, train, layout, cluster, n_layers))
+    out["optimizer"] = (28 * trainable / (layout.shard if layout.fsdp else 1) / cluster.mem_bw
+                        + _optimizer_dispatch(spec, train, layout, cluster))
+    _add_dispatch(out, spec, train, layout, cluster, per_rank)
     return out

@@ -120,7 +120,7 @@ class _Node:
     def ranks(self) -> dict[int, int]:
         """Global rank -> pid of this node's live rank processes."""
         found = {}
-        for pid, argv, env in self._processes(b"train.py"):
+        for pid, argv, env in self._processes(b"nd_parallel.cli.train.rank"):  # `python -u -m <the rank program>`
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
             if rank is not None and b"torch.distributed.run" not in argv:
                 found[rank] = pid

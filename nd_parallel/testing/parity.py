@@ -97,7 +97,7 @@ def evaluate(accelerator, model, loader, step: int) -> EvalResult:
 
 def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None, eval_samples=None,
                  model=None) -> RunResult:
-    """The unchanged Accelerate loop of ARCHITECTURE.md, under whatever layout ``plugin`` holds."""
+    """The unchanged Accelerate loop of docs/architecture.md, under whatever layout ``plugin`` holds."""
     model = model if model is not None else plugin.from_pretrained(model_dir)
     opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)

@@ -2,7 +2,7 @@
 fallback `nd-parallel train` uses for a checkpoint directory without tokenizer files.
 
 Both are ``PreTrainedTokenizerFast`` objects, so the data pipeline treats them like any checkpoint's tokenizer.
-Every id stays below 256, the vocabulary of the tiny models in toy.py.
+Every id stays below 256, the vocabulary of the tiny models in models.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import string
 
 # ChatML, the template most chat checkpoints ship; {% generation %} is not used, so any template of this shape
-# works with the pipeline's prefix-rendering (data_pipeline/formats.py).
+# works with the pipeline's prefix-rendering (cli/train/data/formats.py).
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 
 class NDParallelArgs(BaseModel):
-    """nd_parallel's layout options, as in ParallelismConfig (ARCHITECTURE.md); None = nd_parallel's default."""
+    """nd_parallel's layout options, as in ParallelismConfig (docs/architecture.md); None = nd_parallel's default."""
 
     pipeline_parallel_size: int | None = Field(default=None, description="pipeline stages (pp_size)")
     pp_schedule: str | None = Field(default=None, description="1f1b (default), gpipe, interleaved-1f1b, ...")

@@ -5,7 +5,7 @@
     pipeline_parallel_size: 2        # and/or dp_shard_size, tensor_parallel_size, context_parallel_size, ...
 
 Axolotl keeps its data pipeline, model loading, adapters and trainer; the plugin hands its Trainer to the same
-``NDParallelCallback`` a plain Trainer script uses (hf_trainer.py), so no parallelism logic lives here. What it
+``NDParallelCallback`` a plain Trainer script uses (plugins/trainer/), so no parallelism logic lives here. What it
 turns in Axolotl 0.19.0 (read from its source and run), each in one hook:
 
 - ``register`` (config load, before anything distributed): CPU ranks need ``ACCELERATE_USE_CPU=true`` or each
@@ -136,7 +136,7 @@ def keep_axolotl_loss(trainer) -> None:
     So the same scaling goes in as a count: ``num_items_in_batch = GA x this micro-batch's label tokens`` (loss.py
     adds it over the dp ranks), which gives the micro-batch's global token mean / GA -- the number and gradients of
     plain Axolotl, computed inside the model on every layout -- and the Trainer's division is switched off."""
-    if trainer.model_accepts_loss_kwargs:  # the Trainer passes the step's own count already (hf_trainer.py)
+    if trainer.model_accepts_loss_kwargs:  # the Trainer passes the step's own count already (plugins/trainer/adopt.py)
         return
     from nd_parallel.distributed.loss import count_label_tokens
 

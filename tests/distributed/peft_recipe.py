@@ -31,7 +31,7 @@ def reference_model(model_dir, how: str):
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.models.loading import lazy_checkpoint, load_local_shards
-    from nd_parallel.models.peft import build_meta_peft_model
+    from nd_parallel.models.meta import build_meta_peft_model
 
     torch.manual_seed(SEED)
     if how == "wrap":

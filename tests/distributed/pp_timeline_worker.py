@@ -14,8 +14,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
-from nd_parallel.distributed.pipeline.balance import measure_stage_seconds, profile_balance, sample_batch
-from nd_parallel.distributed.pipeline.timeline import TimelineRecorder, attach, to_dicts, write
+from nd_parallel.distributed.pipeline.balance.collective import measure_stage_seconds, profile_balance
+from nd_parallel.distributed.pipeline.balance.measure import sample_batch
+from nd_parallel.distributed.pipeline.timeline.events import to_dicts
+from nd_parallel.distributed.pipeline.timeline.record import TimelineRecorder, attach
+from nd_parallel.distributed.pipeline.timeline.render import write
 from nd_parallel.testing.models import make_samples, tiny_config
 
 P, M, SEQ, STEPS = 4, 8, 64, 3

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.cli.main import load_train_config, main, parse_layout
+from nd_parallel.cli.main import main
+from nd_parallel.cli.ranks import parse_layout
+from nd_parallel.cli.train.config import load_train_config
 from nd_parallel.config import ConfigError
 
 CLI = [sys.executable, "-m", "nd_parallel.cli"]

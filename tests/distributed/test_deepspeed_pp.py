@@ -82,7 +82,7 @@ def test_missing_deepspeed_says_what_to_install(monkeypatch):
 
 
 def test_layer_boundaries_follow_the_split():
-    from nd_parallel.distributed.pipeline.deepspeed_backend import layer_boundaries
+    from nd_parallel.distributed.pipeline.deepspeed_backend.layers import layer_boundaries
 
     # pipeline layers: [embeddings, 4 decoder layers, head]
     assert layer_boundaries([2, 2], 4) == [0, 3, 6]
@@ -96,7 +96,7 @@ def test_pipeline_layers_reproduce_the_model(family, model_dirs):
     """Layers chained in one process = the model's forward and backward, exactly, for any stage boundaries."""
     from transformers import AutoModelForCausalLM
 
-    from nd_parallel.distributed.pipeline.deepspeed_backend import LayerInputs, _Source, plan_layers
+    from nd_parallel.distributed.pipeline.deepspeed_backend.layers import LayerInputs, Source, plan_layers
     from nd_parallel.models.hf import model_parts
 
     samples = make_samples(4, 24)
@@ -106,7 +106,7 @@ def test_pipeline_layers_reproduce_the_model(family, model_dirs):
         parts = model_parts(model)
         for counts in ([4], [1, 3], [2, 2]):
             inputs = LayerInputs(model, parts, with_embeddings=True)
-            plans = plan_layers(_Source(model), parts, counts, inputs)
+            plans = plan_layers(Source(model), parts, counts, inputs)
             assert all(bool(p.tied_attr) == model.config.tie_word_embeddings for p in (plans[0], plans[-1]))
             layers = [p.build() for p in plans]
             positions = torch.arange(24).expand(4, 24)

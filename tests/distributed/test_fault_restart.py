@@ -49,7 +49,7 @@ def _train(tmp_path: Path, data: dict, name: str, kill_at: int | None = None,
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.02)
         cmdlines = {p: Path(f"/proc/{p}/cmdline").read_text() for p in descendants(proc.pid)}
-        ranks = sorted(p for p, cmd in cmdlines.items() if "train.py" in cmd and "torch.distributed.run" not in cmd)
+        ranks = sorted(p for p, cmd in cmdlines.items() if "nd_parallel.cli.train.rank" in cmd and "torch.distributed.run" not in cmd)
         assert len(ranks) == 2, cmdlines
         victim, other = ranks[-1], ranks[0]
         measured["killed_after_step"] = len(log.read_text().splitlines())

@@ -11,8 +11,6 @@ import json
 import pytest
 import torch
 
-from nd_parallel.fault.launch import launch
-from nd_parallel.testing.launch import LaunchOnce
 from nd_parallel.testing.models import make_samples
 from nd_parallel.testing.parity import Recipe, RunResult, compare, train_reference
 
@@ -124,57 +122,35 @@ def _dp(config: dict, world: int) -> int:
     return replicate * shard
 
 
+def _model(tiny_model, family, layers):
+    base, overrides = VARIANTS.get(family, (family, {}))
+    return tiny_model(base, num_hidden_layers=layers, **overrides)
+
+
+def _spec(name, tiny_model):
+    _, per_rank, layouts = LAUNCHES[name]
+    return {
+        "models": {f"{f}{lay['layers']}": _model(tiny_model, f, lay["layers"])
+                   for f in FAMILIES[name] for lay in layouts.values()},
+        "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}", lay["samples"]]
+                 for f in FAMILIES[name] for n, lay in layouts.items() if (f, n) not in EXCLUDE],
+        "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
+    }
+
+
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    from nd_parallel.testing.models import save_tiny_model
-
-    root, made = tmp_path_factory.mktemp("parity_models"), {}
-
-    def get(family, layers):
-        if (family, layers) not in made:
-            base, overrides = VARIANTS.get(family, (family, {}))
-            made[family, layers] = str(save_tiny_model(base, root / f"{family}{layers}", num_hidden_layers=layers,
-                                                       **overrides))
-        return made[family, layers]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def runs(model_dirs, tmp_path_factory):
+def runs(tiny_model, launch_worker):
     """launch name -> directory of rank-0 results, launched lazily once per launch."""
-    done = LaunchOnce()
-
-    def get(name):
-        return done.get(name, lambda: _launch(name))
-
-    def _launch(name):
-        world, per_rank, layouts = LAUNCHES[name]
-        out = tmp_path_factory.mktemp(f"parity_{name}")
-        spec = {
-            "models": {f"{f}{lay['layers']}": model_dirs(f, lay["layers"])
-                       for f in FAMILIES[name] for lay in layouts.values()},
-            "runs": [[f"{f}{lay['layers']}", n, lay["config"], f"{f}__{n}", lay["samples"]]
-                     for f in FAMILIES[name] for n, lay in layouts.items() if (f, n) not in EXCLUDE],
-            "recipe": dict(steps=5, per_rank_batch=per_rank, lr=1e-3),
-        }
-        (out / "spec.json").write_text(json.dumps(spec))
-        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True)
-        return out
-
-    return get
+    return lambda name: launch_worker(f"parity_{name}", WORKER, LAUNCHES[name][0], lambda _: _spec(name, tiny_model))
 
 
 @pytest.fixture(scope="module")
-def references(model_dirs):
-    cache = {}
-
+def references(tiny_model, memo):
+    """The single-process run a layout must reproduce: its model, data-parallel size, batch and data."""
     def get(family, layers, dp, per_rank, samples):
-        key = (family, layers, dp, per_rank, json.dumps(samples, sort_keys=True))
-        if key not in cache:
-            recipe = Recipe(steps=5, per_rank_batch=per_rank, lr=1e-3)
-            cache[key] = train_reference(model_dirs(family, layers), make_samples(**samples), dp, recipe)
-        return cache[key]
+        recipe = Recipe(steps=5, per_rank_batch=per_rank, lr=1e-3)
+        return memo((family, layers, dp, per_rank, json.dumps(samples, sort_keys=True)), lambda: train_reference(
+            _model(tiny_model, family, layers), make_samples(**samples), dp, recipe))
 
     return get
 

@@ -7,16 +7,12 @@ a gradient or optimizer state. The same launches save the adapter and the merged
 PEFT / transformers in one process) and resume a LoRA run from save_state under another layout.
 """
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from nd_parallel.fault.launch import launch
-from nd_parallel.testing.launch import LaunchOnce
 from nd_parallel.testing.models import make_samples
 from nd_parallel.testing.parity import Recipe, RunResult, compare
 
@@ -48,52 +44,35 @@ def _dp(config: dict, world: int) -> int:
     return world // (config.get("tp_size", 1) * config.get("pp_size", 1) * config.get("cp_size", 1))
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    from nd_parallel.testing.models import save_tiny_model
-
-    root = tmp_path_factory.mktemp("peft_models")
-    return {f: str(save_tiny_model(f, root / f)) for f in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def runs(model_dirs, tmp_path_factory):
-    done = LaunchOnce()
-
-    def get(name):
-        return done.get(name, lambda: _launch(name))
-
-    def _launch(name):
-        world, per_rank, layouts = LAUNCHES[name]
-        out = tmp_path_factory.mktemp(f"peft_{name}")
-        rows = [[f, cfg, how, f"{f}__{lay}", {}] for f in FAMILIES for lay, (cfg, how) in layouts.items()]
-        for row in rows:
-            if row[3] == f"llama__{EXPORTS[name]}":
-                row[4] = {"adapter": str(out / "adapter"), "merged": str(out / "merged")}
-        for saver, loader in RESUME[name]:
-            next(r for r in rows if r[3] == f"llama__{saver}")[4].update(save_at=2, ckpt=str(out / saver))
-            cfg, how = {**layouts, **RESUME_ONLY}[loader]
-            rows.append(["llama", cfg, how, f"resume__{saver}__{loader}", {"resume": str(out / saver)}])
-        spec = {"models": model_dirs, "samples": SAMPLES, "runs": rows,
-                "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
-        (out / "spec.json").write_text(json.dumps(spec))
-        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=900, capture=True,
-               env={"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)})
-        return out
-
-    return get
+def _spec(name, out, tiny_model):
+    """Every (family, layout) row of the launch, plus its export and save_state / resume rows (llama)."""
+    _, per_rank, layouts = LAUNCHES[name]
+    rows = [[f, cfg, how, f"{f}__{lay}", {}] for f in FAMILIES for lay, (cfg, how) in layouts.items()]
+    for row in rows:
+        if row[3] == f"llama__{EXPORTS[name]}":
+            row[4] = {"adapter": str(out / "adapter"), "merged": str(out / "merged")}
+    for saver, loader in RESUME[name]:
+        next(r for r in rows if r[3] == f"llama__{saver}")[4].update(save_at=2, ckpt=str(out / saver))
+        cfg, how = {**layouts, **RESUME_ONLY}[loader]
+        rows.append(["llama", cfg, how, f"resume__{saver}__{loader}", {"resume": str(out / saver)}])
+    return {"models": {f: tiny_model(f) for f in FAMILIES}, "samples": SAMPLES, "runs": rows,
+            "recipe": dict(steps=STEPS, per_rank_batch=per_rank, lr=LR)}
 
 
 @pytest.fixture(scope="module")
-def references(model_dirs):
-    cache = {}
+def runs(tiny_model, launch_worker):
+    """launch name -> directory of rank-0 results, launched lazily once per launch."""
+    return lambda name: launch_worker(f"peft_{name}", WORKER, LAUNCHES[name][0],
+                                      lambda out: _spec(name, out, tiny_model))
 
+
+@pytest.fixture(scope="module")
+def references(tiny_model, memo):
+    """The one-process PeftModel run a row must reproduce: family, model path, data-parallel size, batch."""
     def get(family, how, dp, per_rank):
-        key = (family, how, dp, per_rank)
-        if key not in cache:
-            recipe = Recipe(steps=STEPS, per_rank_batch=per_rank, lr=LR)
-            cache[key] = train_reference(model_dirs[family], how, make_samples(**SAMPLES), dp, recipe)
-        return cache[key]
+        recipe = Recipe(steps=STEPS, per_rank_batch=per_rank, lr=LR)
+        return memo((family, how, dp, per_rank), lambda: train_reference(
+            tiny_model(family), how, make_samples(**SAMPLES), dp, recipe))
 
     return get
 
@@ -135,18 +114,18 @@ def test_lora_resume_under_another_layout(launch_name, runs):
 
 
 @pytest.mark.parametrize("launch_name", list(EXPORTS))
-def test_adapter_and_merged_exports_load_in_one_process(launch_name, runs, model_dirs):
+def test_adapter_and_merged_exports_load_in_one_process(launch_name, runs, tiny_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     out = runs(launch_name)
     trained = _load(out / f"llama__{EXPORTS[launch_name]}.pt")["state"]
     assert sorted(p.name for p in (out / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), out / "adapter")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model("llama")), out / "adapter")
     state = model.state_dict()
     assert {k for k in state if ".lora_" in k} == {k for k in trained if ".lora_" in k}
     assert all(torch.equal(state[k], v) for k, v in trained.items()), "the saved adapter differs from training"
-    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), out / "adapter")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model("llama")), out / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")
     batch = {k: torch.stack([s[k] for s in make_samples(n=4, seq_len=24, seed=7)]) for k in ("input_ids",
                                                                                               "attention_mask")}

@@ -74,7 +74,8 @@ def test_steady_state_alternates_one_forward_one_backward(run):
 
 def test_replayed_recorded_order_has_the_textbook_bubble(run):
     """The order torch ran, re-timed with equal stage times and instant messages, is exactly 1F1B's bubble."""
-    from nd_parallel.distributed.pipeline.timeline import Event, analytical_bubble, bubble, replay
+    from nd_parallel.distributed.pipeline.timeline.analysis import analytical_bubble, bubble, replay
+    from nd_parallel.distributed.pipeline.timeline.events import Event
 
     _, events, _, _ = run
     recorded = [Event(**e) for e in events]

@@ -12,13 +12,8 @@ Three launches (1 rank for every reference, 2 ranks, 4 ranks) run every row; eac
   the same layout that never evaluated. Greedy ``generate`` under DDP, FSDP and TP equals one process's tokens.
 """
 
-import json
-
 import pytest
 import torch
-
-from nd_parallel.fault.launch import launch
-from nd_parallel.testing.launch import LaunchOnce
 
 WORKER = "tests/distributed/precision_worker.py"
 GLOBAL_BATCH = 4
@@ -119,26 +114,19 @@ def _plan():
 PLAN = _plan()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from nd_parallel.testing.models import save_tiny_model
-
-    root = tmp_path_factory.mktemp("train_modes")
+def _spec(world, tiny_model):
     families = set(BF16_FAMILIES) | set(AC_FAMILIES) | set(EVAL_FAMILIES)
-    models = {f: str(save_tiny_model(f, root / f, num_hidden_layers=4)) for f in families}
-    done = LaunchOnce()
+    return {"models": {f: tiny_model(f, num_hidden_layers=4) for f in families},
+            "runs": [run for w, run in PLAN if w == world]}
 
+
+@pytest.fixture(scope="module")
+def results(tiny_model, launch_worker):
+    """run name -> its saved results; one launch per world size runs every run of that size."""
     def get(name):
         world = next(w for w, run in PLAN if run["name"] == name)
-        return torch.load(done.get(world, lambda: _launch(world)) / f"{name}.pt", weights_only=True)
-
-    def _launch(world):
-        out = root / f"w{world}"
-        out.mkdir()
-        runs = [run for w, run in PLAN if w == world]
-        (out / "spec.json").write_text(json.dumps({"models": models, "runs": runs}))
-        launch(WORKER, world, [str(out), str(out / "spec.json")], timeout=1200, capture=True)
-        return out
+        out = launch_worker(f"train_modes_w{world}", WORKER, world, lambda _: _spec(world, tiny_model), timeout=1200)
+        return torch.load(out / f"{name}.pt", weights_only=True)
 
     return get
 

@@ -12,21 +12,13 @@ gradient_checkpointing=True runs nd_parallel's checkpointing (HF's is taken over
 """
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from nd_parallel.fault.launch import launch
-from nd_parallel.testing.launch import LaunchOnce
-
 WORKER = "tests/distributed/trainer_worker.py"
-HERE = str(Path(__file__).parent)
-# The rank programs import peft_recipe from here; a PYTHONPATH already set (e.g. another transformers) is kept.
-PYPATH = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 ARGS = dict(gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0)
 PER_RANK = 2
@@ -63,57 +55,42 @@ def _train_args(config, world, extras, per_rank):
     return args
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from nd_parallel.testing.models import save_tiny_model
-
-    return str(save_tiny_model("llama", tmp_path_factory.mktemp("trainer_model") / "llama"))
+def _spec(model_dir, runs):
+    return {"model": model_dir, "samples": dict(n=64, seq_len=24), "runs": runs}
 
 
-def _spec(out, model_dir, runs):
-    path = out / f"spec_{len(list(out.glob('spec_*')))}.json"
-    path.write_text(json.dumps({"model": model_dir, "samples": dict(n=64, seq_len=24), "runs": runs}))
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(model_dir, tmp_path_factory):
-    done = LaunchOnce()
-
-    def get(name):
-        return done.get(name, lambda: _launch(name))
-
-    def _launch(name):
-        world, rows = LAUNCHES[name]
-        out = tmp_path_factory.mktemp(f"trainer_{name}")
-        spec_runs = []
-        for row, (config, extras) in rows.items():
-            extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
-            spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
-        launch(WORKER, world, [str(out), str(_spec(out, model_dir, spec_runs))], timeout=900, capture=True,
-               env={"PYTHONPATH": PYPATH})
-        return out
-
-    return get
+def _launch_spec(name, out, model_dir):
+    """Every row of the launch; checkpoint and save_model paths live in its output directory."""
+    world, rows = LAUNCHES[name]
+    spec_runs = []
+    for row, (config, extras) in rows.items():
+        extras = {k: (str(out / v) if k in ("resume", "save_model") else v) for k, v in extras.items()}
+        spec_runs.append([row, config, _train_args(config, world, extras, PER_RANK), extras])
+    return _spec(model_dir, spec_runs)
 
 
 @pytest.fixture(scope="module")
-def references(model_dir, tmp_path_factory):
-    cache = {}
+def runs(tiny_model, launch_worker):
+    """launch name -> directory of the main process's results, launched lazily once per launch."""
+    return lambda name: launch_worker(f"trainer_{name}", WORKER, LAUNCHES[name][0],
+                                      lambda out: _launch_spec(name, out, tiny_model("llama")))
 
-    def get(dp, lora, bf16=False):
-        if (dp, lora, bf16) not in cache:
-            out = tmp_path_factory.mktemp("trainer_ref")
-            # bf16: nd_parallel's recipe in one process (the callback with a one-process layout), as the lead's
-            # bf16 rows do; Accelerate's own bf16 is autocast, a different per-op recipe.
-            extras = {"lora": lora, "train": {"bf16": True}} if bf16 else {"lora": lora, **EV}
-            run = ["ref", {} if bf16 else None, _train_args({}, 1, extras, PER_RANK * dp), extras]
-            subprocess.run([sys.executable, WORKER, str(out), str(_spec(out, model_dir, [run]))], check=True,
-                           capture_output=True, env={**os.environ, "PYTHONPATH": PYPATH, "ACCELERATE_USE_CPU": "true"})
-            cache[dp, lora, bf16] = torch.load(out / "ref.pt", weights_only=True)
-        return cache[dp, lora, bf16]
 
-    return get
+@pytest.fixture(scope="module")
+def references(tiny_model, memo, worker_env, tmp_path_factory):
+    """The one-process Trainer whose per-device batch is the layout's global batch: (dp, lora, bf16) -> results."""
+    def run_reference(dp, lora, bf16):
+        out = tmp_path_factory.mktemp("trainer_ref")
+        # bf16: nd_parallel's recipe in one process (the callback with a one-process layout), as the bf16 rows
+        # of test_train_modes.py do; Accelerate's own bf16 is autocast, a different per-op recipe.
+        extras = {"lora": lora, "train": {"bf16": True}} if bf16 else {"lora": lora, **EV}
+        run = ["ref", {} if bf16 else None, _train_args({}, 1, extras, PER_RANK * dp), extras]
+        (out / "spec.json").write_text(json.dumps(_spec(tiny_model("llama"), [run])))
+        subprocess.run([sys.executable, WORKER, str(out), str(out / "spec.json")], check=True,
+                       capture_output=True, env={**worker_env, "ACCELERATE_USE_CPU": "true"})
+        return torch.load(out / "ref.pt", weights_only=True)
+
+    return lambda dp, lora, bf16=False: memo((dp, lora, bf16), lambda: run_reference(dp, lora, bf16))
 
 
 def _close(run, ref):
@@ -127,12 +104,17 @@ def _close(run, ref):
     return diff
 
 
-@pytest.mark.parametrize("launch_name,row", PARITY, ids=[f"{a}-{r}" for a, r in PARITY])
-def test_trainer_matches_one_process(launch_name, row, runs, references):
+def _row_and_reference(launch_name, row, runs, references):
+    """A parity row's results and the one-process Trainer's on the same global batches (same LoRA or not)."""
     world, rows = LAUNCHES[launch_name]
     config, extras = rows[row]
     run = torch.load(runs(launch_name) / f"{row}.pt", weights_only=True)
-    ref = references(_dp(config, world), bool(extras.get("lora")))
+    return run, references(_dp(config, world), bool(extras.get("lora")))
+
+
+@pytest.mark.parametrize("launch_name,row", PARITY, ids=[f"{a}-{r}" for a, r in PARITY])
+def test_trainer_matches_one_process(launch_name, row, runs, references):
+    run, ref = _row_and_reference(launch_name, row, runs, references)
     diff = _close(run, ref)
     print(f"trainer {row}: losses {run['losses']} param diff {diff}")
     assert ref["losses"][-1] < ref["losses"][0]
@@ -140,10 +122,7 @@ def test_trainer_matches_one_process(launch_name, row, runs, references):
 
 @pytest.mark.parametrize("launch_name,row", PARITY, ids=[f"{a}-{r}" for a, r in PARITY])
 def test_trainer_evaluates_like_one_process(launch_name, row, runs, references):
-    world, rows = LAUNCHES[launch_name]
-    config, extras = rows[row]
-    run = torch.load(runs(launch_name) / f"{row}.pt", weights_only=True)
-    ref = references(_dp(config, world), bool(extras.get("lora")))
+    run, ref = _row_and_reference(launch_name, row, runs, references)
     assert len(run["eval_losses"]) == len(ref["eval_losses"]) == 2  # eval_steps=2 inside train()
     for a, b in zip(run["eval_losses"], ref["eval_losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (run["eval_losses"], ref["eval_losses"])

@@ -44,9 +44,9 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
-def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list[dict]:
-    """The ranks' jobs, built exactly as `nd-parallel train` builds them (train_job.build_job)."""
-    from nd_parallel.cli.main import resolve_train_layout
+def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list:
+    """The ranks' jobs, built exactly as `nd-parallel train` builds them (job.build_job)."""
+    from nd_parallel.cli.ranks import resolve_train_layout
     from nd_parallel.cli.train.config import load_train_config
     from nd_parallel.cli.train.job import build_job
 
@@ -60,13 +60,14 @@ def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list[dict]:
     return jobs
 
 
-def run_jobs(jobs: list[dict], workdir: Path, nproc: int, timeout: float = 900) -> None:
+def run_jobs(jobs: list, workdir: Path, nproc: int, timeout: float = 900) -> None:
     """All jobs in one launch of nproc ranks (nproc=1: one plain process, no process group)."""
     from nd_parallel.cli.train import rank as train
+    from nd_parallel.cli.train.job import write_jobs
     from nd_parallel.fault.launch import launch
 
     spec = workdir / f"jobs_{nproc}.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
+    write_jobs(spec, jobs)
     env = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     if nproc > 1:
         launch(train.__name__, nproc, [str(spec)], timeout=timeout, env=env, capture=True)

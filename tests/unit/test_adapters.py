@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 
 from nd_parallel.config import ParallelismConfig
 from nd_parallel.distributed.tensor_parallel import check_adapters, match_plan, resolve_plan
-from nd_parallel.models.peft import check_targets, expand_plan, lora_tp_styles
+from nd_parallel.distributed.tensor_parallel_lora import expand_plan, lora_tp_styles
+from nd_parallel.models.peft import check_targets
 from nd_parallel.plugins.trainer.adopt import check_trainer_args
 from nd_parallel.testing.models import tiny_config
 

@@ -9,15 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nd_parallel.distributed.pipeline.balance import (
-    agree_costs,
-    check_same_split,
-    partition,
-    profile_layers,
-    profile_plan,
-    sample_batch,
-    stage_times,
-)
+from nd_parallel.distributed.pipeline.balance.collective import agree_costs, check_same_split, profile_plan
+from nd_parallel.distributed.pipeline.balance.measure import profile_layers, sample_batch
+from nd_parallel.distributed.pipeline.balance.partition import partition, stage_times
 from nd_parallel.distributed.pipeline.split import check_layer_counts, uniform_layers
 
 

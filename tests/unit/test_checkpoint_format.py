@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from nd_parallel.checkpoint import CheckpointError, CheckpointWarning
 from nd_parallel.checkpoint.dataloader import resume_at
-from nd_parallel.checkpoint.export import Entry, ShardedWriter, natural_key, plan_files
+from nd_parallel.checkpoint.export.writer import Entry, ShardedWriter, natural_key, plan_files
 from nd_parallel.checkpoint.format import (
     MARKER,
     apply_total_limit,

@@ -25,7 +25,7 @@ from nd_parallel.planner import (
     to_json,
 )
 from nd_parallel.planner.memory import inflight, layer_activation_bytes, rank_memory
-from nd_parallel.planner.spec import meta_model
+from nd_parallel.planner.meta import meta_model
 from nd_parallel.testing.models import tiny_config
 
 GiB = 2**30
@@ -373,8 +373,8 @@ def test_parallelism_config_auto(tmp_path):
 
 
 def test_train_yaml_layout_auto(tmp_path):
-    from nd_parallel.cli.main import load_train_config
     from nd_parallel.cli.plan import auto_train_layout, scaled_learning_rate
+    from nd_parallel.cli.train.config import load_train_config
     from nd_parallel.config import ConfigError
     from nd_parallel.testing.models import save_tiny_model
 

@@ -7,21 +7,18 @@ import json
 import pytest
 import torch.distributed as dist
 
-from nd_parallel.distributed.pipeline.timeline import (
-    Event,
-    TimelineRecorder,
-    align,
+from nd_parallel.distributed.pipeline.timeline.analysis import (
     analytical_bubble,
     bubble,
-    chrome_trace,
     compare_stage_times,
-    events_from_trace,
     median_durations,
     replay,
     stage_seconds,
     summarize,
-    write,
 )
+from nd_parallel.distributed.pipeline.timeline.events import Event
+from nd_parallel.distributed.pipeline.timeline.record import TimelineRecorder, align
+from nd_parallel.distributed.pipeline.timeline.render import chrome_trace, events_from_trace, write
 
 
 def gpipe_events(p: int, m: int, tf: float, tb: float) -> list[Event]:

@@ -136,6 +136,30 @@ def test_fsdp_without_sizes_shards_over_every_rank(tmp_path, data):
     assert cfg.parallel.dp_shard_size == -1 and cfg.parallel.activation_checkpointing == "full"
 
 
+def test_job_file_round_trip_is_exact(tmp_path, data):
+    """The JSON the parent writes reads back, on every rank, into the same typed jobs (floats, None, lists)."""
+    import dataclasses
+
+    from nd_parallel.cli.train.job import DemoJob, Job, TrainJob, build_job, read_jobs, write_jobs
+    from nd_parallel.testing.parity import Recipe
+
+    cfg = load_train_config(real_world(tmp_path, data, warmup_ratio=0.1, lora_target_modules="[q_proj, v_proj]"))
+    layout = dataclasses.replace(cfg.parallel.resolve(2), pp_profile_shape=(1, 64), tp_plan={"mlp.*": None})
+    train, _ = build_job("axolotl.yml", cfg, layout, str(tmp_path / "work"))
+    assert isinstance(train, TrainJob) and train.train is cfg and train.trainer_args["learning_rate"] == 0.002
+    demo = DemoJob(name="fsdp2", layout=layout, model_dir="m", samples="s.pt", results="r.pt",
+                   recipe=Recipe(steps=3, lr=1e-3, eval_at=(1, 2)))
+    for jobs in ([train], [train, demo]):
+        write_jobs(tmp_path / "job.json", jobs)
+        text = (tmp_path / "job.json").read_text()
+        assert read_jobs(tmp_path / "job.json") == jobs
+        write_jobs(tmp_path / "job.json", read_jobs(tmp_path / "job.json"))
+        assert (tmp_path / "job.json").read_text() == text
+    assert Job.from_json(json.loads(json.dumps(demo.to_json()))).recipe.eval_at == (1, 2)
+    with pytest.raises(ValueError, match="job kind 'eval'"):
+        Job.from_json({"kind": "eval"})
+
+
 # ------------------------------------------------------------------------------------------------ data
 def _prepare(tmp_path, data, **keys):
     from nd_parallel.cli.train.data import load_prepared, prepare

@@ -12,8 +12,7 @@ import os
 
 from transformers import TrainerCallback
 
-from .rank import LOG_FILE
-
+LOG_FILE = "train_log.jsonl"
 EVAL_LOG_FILE = "eval_log.jsonl"
 
 

@@ -3,7 +3,7 @@
 `load_train_config` reads the file once and sorts every key: implemented (a TrainConfig field), a logger/hub key
 or an Axolotl key left at its default (accepted, listed once in `TrainConfig.unused`), or a key that would change
 training but is not implemented, a bad fsdp_config entry, or a typo: all of those stop the run together, in one
-ConfigError that gives each key's alternative (axolotl_keys.py). No model or data file is opened here.
+ConfigError that gives each key's alternative (keys.py). No model or data file is opened here.
 """
 
 from __future__ import annotations
@@ -17,12 +17,8 @@ from typing import Any
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 
 from .data.sources import DatasetSpec, dataset_specs, suggest
-from .keys import REFUSED, is_default, is_logging, map_fsdp
+from .keys import REFUSED, is_default, is_logging, map_fsdp, value_refusals
 from .schema import AXOLOTL_DEFAULTS
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
-SAVE_STRATEGIES = ("no", "steps", "epoch")
 
 
 @dataclass(kw_only=True)
@@ -85,7 +81,7 @@ class TrainConfig:
     learning_rate: float = 1e-4
     """Peak learning rate. Default 1e-4."""
     lr_scheduler: str = "cosine"
-    """One of SCHEDULERS. Default cosine."""
+    """One of keys.SCHEDULERS. Default cosine."""
     warmup_steps: int | None = None
     """Linear warm-up steps. Default 0."""
     warmup_ratio: float | None = None
@@ -138,12 +134,12 @@ class TrainConfig:
     complete checkpoint-N under output_dir, a fresh start when there is none (nd_parallel/fault/resume.py)."""
     trainer_callbacks: list[dict] = field(default_factory=list)
     """Extra ``transformers.TrainerCallback`` classes, built on every rank: ``module:Class`` or ``{class: module:Class,
-    args: {...}}`` (train_callbacks.callback_specs). Default none."""
+    args: {...}}`` (callbacks.callback_specs). Default none."""
     # --- layout
     parallel: ParallelismConfig = field(default_factory=ParallelismConfig)
     """The layout: built from the parallel keys (PARALLEL_KEYS, fsdp_config) of the same file."""
     layout: str | None = None
-    """"auto": the planner's top layout for the ranks launched (plan_cli.auto_train_layout). Default None."""
+    """"auto": the planner's top layout for the ranks launched (cli/plan.py, auto_train_layout). Default None."""
     lr_scaling: str | None = None
     """"linear" or "sqrt": scale learning_rate from base_batch_size to the global batch. Default None = as given."""
     base_batch_size: int | None = None
@@ -235,32 +231,6 @@ def _sort_keys(path, data: dict) -> tuple[dict, list[str], list[str]]:
     return ours, unused, refused
 
 
-def _value_refusals(d: dict) -> list[str]:
-    """Implemented keys set to a value that is not (qlora, other optimizers, fp16, ...)."""
-    out = []
-    if d.get("adapter") not in (None, "lora"):
-        fix = "use adapter: lora and drop load_in_4bit" if d["adapter"] == "qlora" else "use adapter: lora or none"
-        out.append(f"adapter={d['adapter']!r}: {fix}")
-    if d.get("optimizer", "adamw_torch") not in OPTIMIZERS:
-        out.append(f"optimizer={d['optimizer']!r}: use one of {', '.join(OPTIMIZERS)}")
-    if d.get("lr_scheduler", "cosine") not in SCHEDULERS:
-        out.append(f"lr_scheduler={d['lr_scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
-    if d.get("fp16"):
-        out.append("fp16=True: fp16 needs loss scaling, which is not implemented; use bf16: true")
-    if d.get("bf16", "auto") not in (True, False, "auto"):
-        out.append(f"bf16={d['bf16']!r}; use true, false or auto")
-    if d.get("chat_template") not in (None, "tokenizer_default", "jinja"):
-        out.append(f"chat_template={d['chat_template']!r}: named templates are not bundled; use tokenizer_default "
-                   "(the tokenizer's own) or chat_template: jinja with chat_template_jinja: '...'")
-    for key in ("save_strategy", "eval_strategy"):
-        if d.get(key) not in (None, *SAVE_STRATEGIES):
-            out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
-    model_type = d.get("model_type")
-    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
-        out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
-    return out
-
-
 def _layout(path, d: dict, environ) -> tuple[ParallelismConfig, list[str]]:
     yaml_layout = {k: v for k, v in d.items() if k in PARALLEL_KEYS}
     if d.get("sequence_parallel_degree") not in (None, 1):  # Axolotl's older name of context_parallel_size
@@ -271,7 +241,7 @@ def _layout(path, d: dict, environ) -> tuple[ParallelismConfig, list[str]]:
     sharded = d.get("fsdp") or d.get("fsdp_config") or d.get("fsdp_version")
     if sharded and "dp_shard_size" not in yaml_layout and not any(k.startswith("dp_") for k in yaml_layout):
         yaml_layout["dp_shard_size"] = -1  # Axolotl with FSDP on and no size: shard over the ranks left over
-    # One precedence rule (config.py): YAML overrides the PARALLELISM_CONFIG_* variables.
+    # One precedence rule (nd_parallel/config): YAML overrides the PARALLELISM_CONFIG_* variables.
     layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
     if d.get("gradient_checkpointing") and layout.activation_checkpointing is None:
         layout = dataclasses.replace(layout, activation_checkpointing="full")
@@ -288,7 +258,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         if data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
             data["resume_from_checkpoint"] = "auto"
     d, unused, refused = _sort_keys(path, data)
-    refused += _value_refusals(d)
+    refused += value_refusals(d)
     if refused:
         raise ConfigError(f"{path}: {len(refused)} setting(s) cannot be used by nd-parallel train:\n  - "
                           + "\n  - ".join(refused))

@@ -1,16 +1,133 @@
-"""The parent side of `nd-parallel train`: YAML -> checked layout, prepared data and the Trainer's arguments, all
-before any rank starts, so that every bad input stops the run here with the file, the record and the fix."""
+"""The job: what the parent of `nd-parallel demo | train` hands every rank, and how `train` builds it.
+
+The parent writes the job as JSON (`write_jobs`) before any rank starts, and every rank reads it back (`read_jobs`)
+into the same dataclasses, so ``Job.from_json(job.to_json()) == job``. A file holds one job, or ``{"jobs": [...]}``:
+several runs in one launch (the tests use it to amortise start-up).
+
+`build_job` turns a loaded YAML into a `TrainJob`: the layout checked, the data prepared and the Trainer's
+arguments made here, so that every bad input stops the run in the parent with the file, the record and the fix.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
-from dataclasses import asdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from nd_parallel.config import ConfigError
+from nd_parallel.config import ConfigError, ParallelismConfig
 
-from .config import TrainConfig, load_train_config
-from .rank import mixed_precision
+from .config import TrainConfig
+from .data.sources import DatasetSpec
+
+if TYPE_CHECKING:
+    from nd_parallel.testing.parity import Recipe
+
+
+# ---------------------------------------------------------------------------------------------------- the job
+@dataclass(kw_only=True)
+class Job:
+    """What every kind of job tells the ranks."""
+
+    kind: ClassVar[str]
+    name: str
+    """The run's name: the progress bar's label, and a train job's run_name."""
+    layout: ParallelismConfig
+    """The resolved layout every rank builds."""
+    quiet: bool = True
+    """Hide the libraries' warnings and loading bars: the report is the table."""
+    results: str | None = None
+    """Where rank 0 writes every rank's results (torch.save); None: only returned (under an outer launcher)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The job as plain JSON values (a dict for json.dumps); `Job.from_json` reads it back."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"kind": self.kind, **own, "layout": self.layout.to_dict(), **self._json_fields()}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Job:
+        """The DemoJob or TrainJob that `to_json` wrote (its "kind" says which)."""
+        kinds = {cls.kind: cls for cls in (DemoJob, TrainJob)}
+        cls = kinds.get(data.get("kind"))
+        if cls is None:
+            raise ValueError(f"job kind {data.get('kind')!r}; expected one of {', '.join(kinds)}")
+        fields = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**{**fields, "layout": ParallelismConfig(**data["layout"]), **cls._from_json_fields(data)})
+
+    def _json_fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def _from_json_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(kw_only=True)
+class DemoJob(Job):
+    """`nd-parallel demo`: the Accelerate loop of nd_parallel/testing/parity.py on seeded samples."""
+
+    kind: ClassVar[str] = "demo"
+    model_dir: str
+    samples: str | list[dict]
+    """A torch.save file of the samples; under an outer launcher (no job file) the samples themselves."""
+    recipe: Recipe
+
+    def _json_fields(self) -> dict[str, Any]:
+        return {"recipe": dataclasses.asdict(self.recipe)}
+
+    @classmethod
+    def _from_json_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        from nd_parallel.testing.parity import Recipe
+
+        recipe = data["recipe"]
+        return {"recipe": Recipe(**{**recipe, "eval_at": tuple(recipe["eval_at"])})}  # JSON has no tuples
+
+
+@dataclass(kw_only=True)
+class TrainJob(Job):
+    """`nd-parallel train`: transformers.Trainer on the data the parent prepared."""
+
+    kind: ClassVar[str] = "train"
+    train: TrainConfig
+    """The YAML as loaded (its ``parallel`` as written; ``layout`` is that layout resolved for the ranks)."""
+    prepared: str
+    """The directory `data.prepare` wrote: train/, eval/ and tokenizer/."""
+    trainer_args: dict[str, Any]
+    """TrainingArguments(**trainer_args) on every rank (`trainer_arguments`)."""
+
+    def _json_fields(self) -> dict[str, Any]:
+        return {"train": dataclasses.asdict(self.train)}  # its datasets and parallel as plain dicts too
+
+    @classmethod
+    def _from_json_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        train = data["train"]
+        return {"train": TrainConfig(**{**train, "datasets": [DatasetSpec(**d) for d in train["datasets"]],
+                                        "parallel": ParallelismConfig(**train["parallel"])})}
+
+
+def write_jobs(path: str | os.PathLike, jobs: list[Job]) -> None:
+    data = jobs[0].to_json() if len(jobs) == 1 else {"jobs": [job.to_json() for job in jobs]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+
+
+def read_jobs(path: str | os.PathLike) -> list[Job]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return [Job.from_json(job) for job in data.get("jobs", [data])]
+
+
+# ---------------------------------------------------------------------------------------- building a TrainJob
+def mixed_precision(bf16) -> str:
+    """Accelerate's mixed_precision for the YAML's ``bf16``: "auto" is bf16 only on GPUs that support it (on CPU
+    ranks bf16 matmuls are slower than fp32, and Axolotl's auto -> fp16 fallback would need loss scaling)."""
+    import torch
+
+    if bf16 == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if bf16 else "no"
 
 
 def _steps_per_epoch(cfg: TrainConfig, rows: int, dp: int) -> int:
@@ -72,8 +189,8 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
                           f"checkpoint-N folder under {cfg.output_dir}, or write 'auto' for the latest complete one")
 
 
-def build_job(path, cfg: TrainConfig, layout, workdir: str, quiet: bool = True) -> tuple[dict, object]:
-    """(the ranks' job, the Prepared data) for a loaded config and a resolved layout."""
+def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, quiet: bool = True):
+    """(the ranks' TrainJob, the data.Prepared data) for a loaded config and a resolved layout."""
     from .data import prepare
 
     check_layout_rules(cfg, path)
@@ -83,12 +200,7 @@ def build_job(path, cfg: TrainConfig, layout, workdir: str, quiet: bool = True) 
         raise ConfigError(f"{path}: {prepared.train_rows} training samples, but one micro-batch over "
                           f"{layout.dp_size} data-parallel ranks needs micro_batch_size x {layout.dp_size} = "
                           f"{per_micro}; add data or lower micro_batch_size")
-    train = {k: v for k, v in asdict(cfg).items() if k not in ("parallel", "datasets", "unused")}
     name = os.path.splitext(os.path.basename(str(path)))[0]
-    job = {"kind": "train", "name": name, "layout": layout.to_dict(), "prepared": prepared.path, "train": train,
-           "trainer_args": trainer_arguments(cfg, name, prepared.train_rows, prepared.eval_rows, layout.dp_size),
-           "quiet": quiet}
+    job = TrainJob(name=name, layout=layout, quiet=quiet, train=cfg, prepared=prepared.path,
+                   trainer_args=trainer_arguments(cfg, name, prepared.train_rows, prepared.eval_rows, layout.dp_size))
     return job, prepared
-
-
-__all__ = ["build_job", "load_train_config", "trainer_arguments"]

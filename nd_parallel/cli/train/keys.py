@@ -1,16 +1,21 @@
-"""What `nd-parallel train` does with each Axolotl key it does not implement itself (train_config.py does the rest).
+"""What `nd-parallel train` does with each Axolotl key it does not implement itself (config.py does the rest).
 
 - ``LOGGING``: loggers, hubs and UI keys. Accepted whatever their value, and listed once as unused.
 - ``REFUSED``: keys that would change training; set to anything but their default, the run stops with one
   message that lists every such key with its alternative.
-- Any other key of Axolotl's schema (axolotl_schema.py): left at its default it is listed as unused, set it is
+- Any other key of Axolotl's schema (schema.py): left at its default it is listed as unused, set it is
   refused (run the YAML with Axolotl and the plugin). A key Axolotl does not know either is a typo.
 - ``fsdp_config``: mapped where it means what nd_parallel's FSDP2 does (``map_fsdp``), refused otherwise.
+- Keys it does implement, set to a value it does not (qlora, other optimizers, fp16, ...): ``value_refusals``.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
+SAVE_STRATEGIES = ("no", "steps", "epoch")
 
 LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_")
 LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_metrics", "use_swanlab", "strict",
@@ -21,7 +26,7 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "sample_packing_bin_size", "sample_packing_group_size", "tokenizer_save_jinja_files", "save_safetensors",
            "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
            "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "eval_causal_lm_metrics", "gc_steps",
-           "dataset_keep_in_memory", "shuffle_before_merging_datasets", "include_tokens_per_second"}
+           "dataset_keep_in_memory", "shuffle_before_merging_datasets"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {
@@ -116,3 +121,29 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
         elif key == "activation_checkpointing" and value:
             settings["gradient_checkpointing"] = True
     return settings, refused
+
+
+def value_refusals(d: dict) -> list[str]:
+    """Implemented keys set to a value that is not (qlora, other optimizers, fp16, ...)."""
+    out = []
+    if d.get("adapter") not in (None, "lora"):
+        fix = "use adapter: lora and drop load_in_4bit" if d["adapter"] == "qlora" else "use adapter: lora or none"
+        out.append(f"adapter={d['adapter']!r}: {fix}")
+    if d.get("optimizer", "adamw_torch") not in OPTIMIZERS:
+        out.append(f"optimizer={d['optimizer']!r}: use one of {', '.join(OPTIMIZERS)}")
+    if d.get("lr_scheduler", "cosine") not in SCHEDULERS:
+        out.append(f"lr_scheduler={d['lr_scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
+    if d.get("fp16"):
+        out.append("fp16=True: fp16 needs loss scaling, which is not implemented; use bf16: true")
+    if d.get("bf16", "auto") not in (True, False, "auto"):
+        out.append(f"bf16={d['bf16']!r}; use true, false or auto")
+    if d.get("chat_template") not in (None, "tokenizer_default", "jinja"):
+        out.append(f"chat_template={d['chat_template']!r}: named templates are not bundled; use tokenizer_default "
+                   "(the tokenizer's own) or chat_template: jinja with chat_template_jinja: '...'")
+    for key in ("save_strategy", "eval_strategy"):
+        if d.get(key) not in (None, *SAVE_STRATEGIES):
+            out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
+    model_type = d.get("model_type")
+    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
+        out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
+    return out

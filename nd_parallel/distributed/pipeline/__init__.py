@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from nd_parallel.models.hf import embedding_and_head, model_parts, shares_embedding
 
+from .balance import layer_counts
 from .schedules import SCHEDULES, check_microbatches
 from .split import split_stages, stage_ids_for_rank
 from .stage import make_stage_module
@@ -99,17 +100,6 @@ def _untie(model: nn.Module) -> bool:
     emb, head = embedding_and_head(model)
     head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
     return True
-
-
-def layer_counts(config, num_layers: int, model: nn.Module | None = None, mesh=None) -> list[int] | None:
-    """Layers per stage: the explicit list, a profile of ``model`` (a collective over ``mesh``), or None = uniform."""
-    if isinstance(config.pp_balance, (list, tuple)):
-        return list(config.pp_balance)
-    if config.pp_balance == "profile":
-        from .balance import profile_balance  # every rank measures the whole model; all agree on one split
-
-        return profile_balance(model, mesh, config)
-    return None
 
 
 def validate_pipeline(model: nn.Module, config) -> None:

@@ -2,6 +2,7 @@
 
     prepared = prepare(cfg, workdir)   # tokenizer + tokenized (and packed) train/eval splits, saved to disk
     train, eval_, tokenizer = load_prepared(prepared.path)   # what every rank does
+    samples, how = build_samples(model_dir, [DatasetSpec(path)], 64)   # tensors, for an Accelerate loop
 
 Order (Axolotl's): read each `datasets:` entry -> tokenize it with `map` (formats.py) -> drop samples longer than
 sequence_len -> merge and shuffle -> hold out val_set_size -> pack (packing.py). The result is saved under
@@ -18,13 +19,13 @@ from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
-from .collate import Collator
+from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
 from .packing import pack_fn
 from .sources import DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer
 
-__all__ = ["Collator", "DatasetSpec", "Prepared", "load_prepared", "prepare"]
+__all__ = ["Collator", "DatasetSpec", "Prepared", "build_samples", "collate", "load_prepared", "prepare"]
 
 
 @dataclass
@@ -126,3 +127,20 @@ def load_prepared(path: str):
     train = datasets.load_from_disk(str(root / "train"))
     evals = datasets.load_from_disk(str(root / "eval")) if (root / "eval").is_dir() else None
     return train, evals, AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+
+
+def build_samples(base_model: str, paths: list, sequence_len: int) -> tuple[list[dict], str]:
+    """(samples, how the tokenizer was found): completion samples of local text files, packed and padded to
+    sequence_len, as tensors (examples/train.py's Accelerate loop). The same pipeline as `nd-parallel train`;
+    `paths`: files or DatasetSpec objects."""
+    import tempfile
+
+    from ..config import TrainConfig  # not at the top: config.py imports this package
+
+    specs = [p if isinstance(p, DatasetSpec) else DatasetSpec(path=os.path.abspath(str(p))) for p in paths]
+    cfg = TrainConfig(base_model=base_model, datasets=specs, sequence_len=sequence_len, sample_packing=True)
+    with tempfile.TemporaryDirectory(prefix="nd-parallel-samples-") as tmp:
+        prepared = prepare(cfg, tmp)
+        rows, _, tokenizer = load_prepared(prepared.path)
+        collator = Collator(tokenizer.pad_token_id, pad_to=sequence_len)
+        return [{k: v[0] for k, v in collator([row]).items()} for row in rows], prepared.tokenizer_how

@@ -1,4 +1,5 @@
-"""Batches for the Trainer: right padding (labels -100), to the longest row or to sequence_len."""
+"""Batches: right padding (labels -100), to the longest row or to sequence_len, for the Trainer (`Collator`);
+stacking rows that are already padded, for an Accelerate loop (`collate`)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,8 @@ class Collator:
             else:
                 out["attention_mask"].append([1] * len(ids) + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Rows of equal-length tensors (`build_samples`'s) stacked into one batch."""
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

@@ -18,12 +18,13 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from nd_parallel.models.peft import PEFT_PREFIX, peft_wrapper
 
-from .export import Entry, ShardedWriter, _entries, _size, gather_one_by_one, natural_key, write_model_config
-from .names import MODEL, hf_modules, named_state
+from ..names import MODEL, hf_modules, named_state
+from ..train_state import TrainState
+from .gather import entries, gather_one_by_one
+from .writer import Entry, ShardedWriter, natural_key, shard_size, write_model_config
 
 logger = logging.getLogger("nd_parallel")
 
@@ -31,12 +32,10 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _local_and_order(plugin, model):
-    accelerator = plugin.accelerator
-    distributed = dist.is_initialized() and accelerator.num_processes > 1
+def _local_and_order(state: TrainState, model):
     local = {k[len(MODEL) + 1:]: v for k, v in named_state(model).flat.items()}
-    order, holders = _entries(local, distributed)  # a collective: every rank learns every name
-    return local, order, holders, distributed
+    order, holders = entries(local, state.distributed)  # a collective: every rank learns every name
+    return local, order, holders
 
 
 def _adapter_keys(wrapper, names: list[str], adapter: str) -> dict[str, str]:
@@ -50,21 +49,20 @@ def _adapter_keys(wrapper, names: list[str], adapter: str) -> dict[str, str]:
     return {source[id(t)]: key for key, t in kept.items() if id(t) in source}
 
 
-def save_adapter(plugin, model, out_dir: Path) -> Path:
+def save_adapter(state: TrainState, model, out_dir: Path) -> Path:
     from safetensors.torch import save_file
 
     wrapper = peft_wrapper(model)
-    accelerator = plugin.accelerator
     adapter = wrapper.active_adapter
-    local, order, holders, distributed = _local_and_order(plugin, model)
+    local, order, holders = _local_and_order(state, model)
     keys = _adapter_keys(wrapper, [e.name for e in order], adapter)
     wanted = [e for e in order if e.name in keys]
     if not wanted:
         raise ValueError(f"adapter '{adapter}' has no tensor in {type(wrapper).__name__}; nothing to save")
     tensors = {}
-    for name, tensor in gather_one_by_one(accelerator, local, wanted, holders):
+    for name, tensor in gather_one_by_one(state, local, wanted, holders):
         tensors[keys[name]] = tensor.detach().cpu().contiguous()
-    if accelerator.is_main_process:
+    if state.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = copy.deepcopy(wrapper.peft_config[adapter])
@@ -73,8 +71,7 @@ def save_adapter(plugin, model, out_dir: Path) -> Path:
             config.base_model_name_or_path = getattr(hf_modules(model)[1].config, "name_or_path", None)
         config.save_pretrained(str(out_dir))
         logger.info("saved adapter '%s' to %s (%d tensors)", adapter, out_dir, len(tensors))
-    if distributed:
-        dist.barrier()
+    state.barrier()
     return out_dir
 
 
@@ -109,20 +106,19 @@ def _merge_jobs(wrapper, order: list[Entry]) -> list[tuple[Entry, list[str], obj
     return sorted(jobs, key=lambda job: natural_key(job[0].name))
 
 
-def save_merged(plugin, model, out_dir: Path, max_shard_size) -> Path:
+def save_merged(state: TrainState, model, out_dir: Path, max_shard_size) -> Path:
     """The base model with the active adapters folded in, as HF safetensors; one output tensor at a time."""
     wrapper = peft_wrapper(model)
-    accelerator = plugin.accelerator
-    main = accelerator.is_main_process
-    local, order, holders, distributed = _local_and_order(plugin, model)
+    main = state.is_main_process
+    local, order, holders = _local_and_order(state, model)
     jobs = _merge_jobs(wrapper, order)
     by_name = {e.name: e for e in order}
     writer = None
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        writer = ShardedWriter(out_dir, [job[0] for job in jobs], _size(max_shard_size))
+        writer = ShardedWriter(out_dir, [job[0] for job in jobs], shard_size(max_shard_size))
     for out, inputs, layer in jobs:
-        got = dict(gather_one_by_one(accelerator, local, [by_name[n] for n in inputs], holders))
+        got = dict(gather_one_by_one(state, local, [by_name[n] for n in inputs], holders))
         if not main:
             continue
         value = got[inputs[0]]
@@ -137,6 +133,5 @@ def save_merged(plugin, model, out_dir: Path, max_shard_size) -> Path:
         files = writer.close()
         write_model_config(hf_modules(model)[1], out_dir)
         logger.info("saved the merged model to %s (%d tensors in %d files)", out_dir, len(jobs), len(files))
-    if distributed:
-        dist.barrier()
+    state.barrier()
     return out_dir
