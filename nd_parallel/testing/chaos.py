@@ -325,6 +325,11 @@ class ChaosRun:
                             lambda: not any(alive(p) for p in others) and time.time())
         if fault.kind not in _REPORT:
             t_detect, report = t_gone, f"every other rank stopped {t_gone - t0:.2f} s after the {fault.kind}"
+            # how they learnt it: a failed collective (a peer's sockets closed) or, where they waited on nothing
+            # that fails (the store), the hang watchdog, whose report then names the wait
+            hang = self._line(t0, "[nd_parallel] hang:")
+            if hang and hang[0] <= t_gone:
+                report += f"; the hang watchdog told them: {hang[1]}"
         if fault.kind == "node":
             self._start(cfg, self._max_restarts, self.nnodes)  # the replacement node, as a scheduler starts it
         source, resumed_step, lost, t_step = self._restarted(i, t_gone)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from nd_parallel.fault.watchdog import beat_for
 from nd_parallel.testing.chaos import ChaosRun, Fault
 from tests.distributed.train_yaml_helpers import write_model_and_data
 
@@ -82,7 +83,14 @@ def test_two_nodes_survive_a_node_failure_and_a_stopped_store_host(tmp_path):
     result = run.run([Fault("node", 6), Fault("stop", 14, rank=0)])
     print(f"\nchaos, two nodes, HSDP 2x2 ({result.seconds:.0f} s):\n{result.table()}")
     node, stop = result.measured
-    assert node.victim == 1 and node.detected_s < 10, node  # every rank, the killed agent's too, gone
+    # Every rank, the killed agent's too, gone. The other node's ranks learn of the loss from the collective that
+    # fails when the dead ranks' sockets close (about 2 s here), unless they were waiting where nothing fails: then
+    # the hang watchdog reports within hang_timeout plus a beat's lateness (CI measured 12.4 s once).
+    assert node.victim == 1, node
+    if "the hang watchdog told them" in node.report:
+        assert node.detected_s <= HANG + beat_for(HANG), node
+    else:
+        assert node.detected_s < 10, node
     assert node.resumed_from is not None and 0 < node.steps_lost <= SAVE_STEPS, node
     assert "the node that held rank 0 prints the summary" in result.output  # the other node's parent
     # the store's own timeout (10 s) comes on top of hang_timeout when its host is the one stopped
