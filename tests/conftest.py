@@ -14,3 +14,14 @@ def tiny_models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("models")
     return {family: str(save_tiny_model(family, root / family)) for family in FAMILIES}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every skip and its reason, also under `pytest -q` (which lists none by itself): a skipped feature test must
+    never pass unnoticed."""
+    reasons = sorted({str(r.longrepr[2]) if isinstance(r.longrepr, tuple) else str(r.longrepr)
+                      for r in terminalreporter.stats.get("skipped", [])})
+    if reasons:
+        terminalreporter.write_sep("-", "skipped, and why")
+        for reason in reasons:
+            terminalreporter.write_line(reason)
