@@ -137,8 +137,9 @@ class Watchdog:
 
     def _publish(self, pos: Position, waited: float = 0.0) -> None:
         self._count += 1
-        record = {"beat": self._count, "step": self.step, "where": pos.describe(), "in": bool(pos.collective),
-                  "waited": round(waited, 1), "pid": os.getpid(), "host": socket.gethostname()}
+        record = {"rank": self.rank, "beat": self._count, "step": self.step, "where": pos.describe(),
+                  "in": bool(pos.collective), "waited": round(waited, 1), "pid": os.getpid(),
+                  "host": socket.gethostname()}
         self._store.set(f"rank/{self.rank}", json.dumps(record))
 
     def _records(self) -> dict[int, dict]:
@@ -244,12 +245,16 @@ def _missing(me: int, pos: Position, first: dict, second: dict, span: float) -> 
 
 
 def _kill_if_local(record: dict | None) -> None:
-    """SIGKILL a stopped rank on this host: SIGSTOP'd, it would never run a SIGTERM handler nor exit by itself."""
+    """SIGKILL a stopped rank on this host: SIGSTOP'd, it would never run a SIGTERM handler nor exit by itself.
+    The line it prints tells this kill apart from a launcher's own escalation (torchrun SIGKILLs a rank that
+    ignored its SIGTERM for 30 s, and reports both the same way)."""
     if record and record.get("host") == socket.gethostname():
         try:
             os.kill(int(record["pid"]), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
+            return
+        print(f"[nd_parallel] hang: sent SIGKILL to stopped rank {record.get('rank', '?')} (pid {record['pid']} on "
+              f"{record['host']}): a stopped process runs no handler", file=sys.stderr, flush=True)
 
 
 class _Beat(threading.Thread):
