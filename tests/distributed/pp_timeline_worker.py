@@ -52,7 +52,7 @@ def main(out_dir: str) -> None:
     if dist.get_rank() == 0:
         summary = write(events, out_dir, schedule="1f1b", p=P, m=M)
         with open(f"{out_dir}/events.json", "w") as f:
-            json.dump({"events": to_dicts(events), "summary": summary}, f)
+            json.dump({"events": to_dicts(events), "summary": summary, "alignment_error": recorder.alignment_error}, f)
         with open(f"{out_dir}/balance.json", "w") as f:
             json.dump({"counts": counts, "stage_seconds": stage_times}, f)
     dist.barrier()

@@ -1,7 +1,9 @@
 """A real 1F1B run on 4 pipeline ranks (8 micro-batches, 4 layers) draws the textbook staircase.
 
 The timeline is recorded by wrapping the torch.distributed.pipelining stages (nd_parallel.distributed.pipeline.timeline);
-the assertions are about the order of events, which holds on any machine, not about their durations.
+the assertions are about the order of events, which holds on any machine, not about their durations. Two ranks'
+times are on rank 0's clock, each within the error bound its alignment measured (``alignment_error``, record.py):
+an order across ranks is asserted up to the sum of the two bounds.
 """
 
 import json
@@ -24,6 +26,15 @@ def run(tmp_path_factory):
     return out, data["events"], data["summary"], time.time() - start
 
 
+@pytest.fixture(scope="module")
+def clock_error(run):
+    """Per rank: seconds its aligned times may be off rank 0's clock (half its fastest ping round trip)."""
+    out, *_ = run
+    error = json.loads((out / "events.json").read_text())["alignment_error"]
+    assert len(error) == P and error[0] == 0.0 and all(0.0 <= e < float("inf") for e in error), error
+    return error
+
+
 def by_rank(events):
     rows = defaultdict(list)
     for e in sorted(events, key=lambda e: e["start"]):
@@ -42,25 +53,35 @@ def test_every_rank_runs_m_forwards_and_m_backwards(run):
         assert {e["stage"] for e in row} == {rank}
 
 
-def test_forward_staircase_and_backward_staircase(run):
+def test_forward_staircase_and_backward_staircase(run, clock_error):
+    """What 1F1B guarantees across ranks, for every micro-batch i: stage r starts F(i) only once stage r-1's F(i)
+    has returned (the schedule posts the send after forward_one_chunk returns, the recorder stamps the end as it
+    returns, and the receiver stamps its start after its receive completed), and the gradient travels back the
+    other way: stage r-1 starts B(i) only once stage r's B(i) has returned."""
     _, events, _, _ = run
-    first = {(e["rank"], e["kind"]): e for e in sorted(events, key=lambda e: -e["start"])}  # earliest wins
-    for r in range(1, P):
-        # rank r can only start micro-batch 0 once rank r-1 has sent it...
-        assert first[r, "F"]["start"] >= first[r - 1, "F"]["end"], (r, first[r, "F"], first[r - 1, "F"])
-        # ...and the gradient travels back the other way.
-        assert first[r - 1, "B"]["start"] >= first[r, "B"]["end"], (r, first[r - 1, "B"], first[r, "B"])
+    at = {(e["rank"], e["kind"], e["mb"]): e for e in events}
+    print(f"clock alignment error per rank: {[f'{e * 1e6:.0f} us' for e in clock_error]}")
+    for i in range(M):
+        for r in range(1, P):
+            slack = clock_error[r] + clock_error[r - 1]
+            sent, got = at[r - 1, "F", i], at[r, "F", i]
+            assert got["start"] >= sent["end"] - slack, ("F", i, r, sent, got, slack)
+            sent, got = at[r, "B", i], at[r - 1, "B", i]
+            assert got["start"] >= sent["end"] - slack, ("B", i, r, sent, got, slack)
 
 
-def test_forward_of_each_microbatch_precedes_its_backward(run):
+def test_forward_of_each_microbatch_precedes_its_backward(run, clock_error):
     _, events, _, _ = run
-    for rank, row in by_rank(events).items():
+    for rank, row in by_rank(events).items():  # one rank, one clock: exact
         f = {e["mb"]: e for e in row if e["kind"] == "F"}
         b = {e["mb"]: e for e in row if e["kind"] == "B"}
         assert all(f[i]["end"] <= b[i]["start"] for i in range(M)), rank
     for i in range(M):  # and across ranks: the last stage's backward of i after every forward of i
         last_b = next(e for e in events if e["rank"] == P - 1 and e["kind"] == "B" and e["mb"] == i)
-        assert all(e["end"] <= last_b["start"] for e in events if e["kind"] == "F" and e["mb"] == i)
+        for e in events:
+            if e["kind"] == "F" and e["mb"] == i:
+                slack = clock_error[e["rank"]] + clock_error[P - 1]
+                assert e["end"] <= last_b["start"] + slack, (i, e, last_b, slack)
 
 
 def test_steady_state_alternates_one_forward_one_backward(run):

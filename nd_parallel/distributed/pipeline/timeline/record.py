@@ -9,7 +9,8 @@ right after F, is folded into that F.
 
 Ranks' clocks are aligned once, NTP-style: the first rank of the group pings every other rank and keeps,
 per rank, the offset measured in the round trip with the smallest delay (error <= half that delay, tens of
-microseconds on one host). After gathering, times are seconds since the first F of the step.
+microseconds on one host; kept per rank in ``alignment_error``, so that whoever compares two ranks' times knows
+how far apart they must be to be ordered). After gathering, times are seconds since the first F of the step.
 
 The only part of the timeline that needs a process group, hence apart from the pure analysis and output.
 """
@@ -46,6 +47,9 @@ class TimelineRecorder:
         self._current: list[tuple] | None = None
         self._instrumented: set[int] = set()
         self._offsets: list[float] | None = None
+        # per rank of the group, seconds: how far its aligned times may be off the first rank's clock (0 for that
+        # rank itself); set on the first rank by the first gather
+        self.alignment_error: list[float] | None = None
 
     # -- hooks
     def instrument(self, schedule) -> None:
@@ -104,10 +108,12 @@ class TimelineRecorder:
             self._current = None
 
     # -- collectives over the pp group
-    def _clock_offsets(self, rounds: int = 8) -> list[float]:
-        """Per rank: its clock minus the first rank's clock (known on the first rank; zeros elsewhere)."""
+    def _clock_offsets(self, rounds: int = 8) -> tuple[list[float], list[float]]:
+        """Per rank: its clock minus the first rank's clock, and the bound on that estimate's error (half the
+        fastest round trip: the peer read its clock somewhere inside it). Known on the first rank; zeros
+        elsewhere."""
         me, size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        offsets = [0.0] * size
+        offsets, errors = [0.0] * size, [0.0] * size
         buf = torch.zeros(1, dtype=torch.float64)
         for peer in range(1, size):
             best_delay = float("inf")
@@ -120,16 +126,17 @@ class TimelineRecorder:
                     if back - sent < best_delay:  # the fastest round trip bounds the error best
                         best_delay = back - sent
                         offsets[peer] = buf.item() - (sent + back) / 2
+                        errors[peer] = best_delay / 2
                 elif me == peer:
                     dist.recv(buf, group=self.group, group_src=0)
                     buf.fill_(self.clock())
                     dist.send(buf, group=self.group, group_dst=0)
-        return offsets
+        return offsets, errors
 
     def gather(self, step: int = -1) -> list[Event] | None:
         """Collective over the group: every rank's events of kept step ``step`` (-1: the last) on the first rank."""
         if self._offsets is None:
-            self._offsets = self._clock_offsets()
+            self._offsets, self.alignment_error = self._clock_offsets()
         mine = self.steps[step] if self.steps else []
         me = dist.get_rank(self.group)
         table = [None] * dist.get_world_size(self.group) if me == 0 else None
