@@ -2,10 +2,13 @@
 
 Usage (under torchrun, any world size including 1 for the references): precision_worker.py OUT_DIR SPEC_JSON
 SPEC_JSON: {"models": {key: dir}, "runs": [{"name", "model", "layout", "mixed_precision", "samples",
-            "recipe", "eval_samples" (optional), "generate" (optional: new tokens)}]}
+            "recipe", "eval_samples" (optional), "generate" (optional: new tokens), "plain" (optional),
+            "held_after_forward" (optional: every rank's bytes held after one training forward)}]}
 
 Every rank checks the dtypes the bf16 recipe promises (fp32 parameters, gradients and AdamW moments; bf16
-compute) and the results record any rank where they did not hold.
+compute) and the results record any rank where they did not hold, and every rank's compute dtypes as observed:
+the inputs and weights reaching the decoder layers' matmuls (bf16_reference.ComputeDtypes) and the logits.
+A run with "plain": true is a one-process reference without nd_parallel (bf16_reference.train_plain).
 """
 
 import json
@@ -15,22 +18,26 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from bf16_reference import ComputeDtypes, train_plain
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
 from nd_parallel.distributed.activation_checkpoint import CheckpointedForward
+from nd_parallel.planner.measure import LiveTensorBytes
 from nd_parallel.testing.models import make_samples
-from nd_parallel.testing.parity import Recipe, _collate, train_layout
+from nd_parallel.testing.parity import Recipe, RunResult, _collate, train_layout
 
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def dtype_report(model, optimizer, batch, accelerator) -> list[str]:
-    """Problems with the dtypes of master weights, gradients and optimizer state on this rank ([] = none)."""
+def dtype_report(model, optimizer, batch, accelerator) -> tuple[list[str], list[str], str]:
+    """Problems with the dtypes of master weights, gradients and optimizer state on this rank ([] = none), the
+    dtypes this rank's decoder-layer matmuls saw in a training forward, and the dtype of the logits."""
     problems = []
-    out = model(**batch)
+    with ComputeDtypes(model) as probe:
+        out = model(**batch)
     accelerator.backward(out.loss)
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -44,7 +51,11 @@ def dtype_report(model, optimizer, batch, accelerator) -> list[str]:
     if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
         problems.append("no parameter of this rank got a gradient")
     optimizer.zero_grad()
-    return problems
+    model.eval()  # the logits of a training forward under PP stay on the last stage; evaluation returns them
+    with torch.no_grad():
+        logits_dtype = str(model(**batch).logits.dtype)
+    model.train()
+    return problems, sorted(probe.seen), logits_dtype
 
 
 def generate(accelerator, model, prompts, new_tokens: int):
@@ -60,51 +71,89 @@ def generate(accelerator, model, prompts, new_tokens: int):
     return torch.cat(tokens).cpu()
 
 
+def _every_rank(value) -> list:
+    """``value`` from every rank, in rank order (one process: ``[value]``)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def held_after_forward(model, batch, accelerator) -> int:
+    """Bytes of tensor storage a training forward creates and still holds when it returns: what autograd and
+    checkpointing keep for backward (activations, checkpointed layer inputs), plus what the forward leaves
+    allocated the same way in every mode (the root's unsharded parameters under FSDP, the loss). The backward
+    then runs as usual, so the run's state is untouched apart from its gradients, which are zeroed."""
+    with LiveTensorBytes([]) as live:
+        out = model(**batch)
+        held = live.current
+    accelerator.backward(out.loss)
+    model.zero_grad(set_to_none=True)
+    return held
+
+
+def _layout_run(run: dict, spec: dict) -> tuple[dict, RunResult]:
+    """One run under nd_parallel: (what to save, the run's result)."""
+    # Accelerate keeps one AcceleratorState per process; runs with another precision need it reset (the
+    # process group, PartialState, stays).
+    AcceleratorState._reset_state(reset_partial_state=False)
+    accelerator = Accelerator(mixed_precision=run.get("mixed_precision", "no"))
+    plugin = NDParallelPlugin(ParallelismConfig(**run["layout"])).attach(accelerator)
+    samples = make_samples(**run["samples"])
+    evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
+    model = None
+    if run.get("load_dtype"):  # pure low-precision training: the weights themselves in that dtype
+        model = plugin.from_pretrained(spec["models"][run["model"]], dtype=getattr(torch, run["load_dtype"]))
+    if run.get("hf_gradient_checkpointing"):  # the switch users already know, honoured by prepare
+        model = plugin.from_pretrained(spec["models"][run["model"]], memory_efficient=False)
+        model.gradient_checkpointing_enable()
+    result = train_layout(accelerator, plugin, spec["models"][run["model"]], samples, recipe=Recipe(**run["recipe"]),
+                          eval_samples=evals, model=model)
+    # How many decoder layers this rank runs under activation checkpointing: a no-op would also be bit-equal.
+    checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in result.model.modules())
+    saved = {"losses": result.losses, "norms": result.norms, "state": result.state, "checkpointed": checkpointed,
+             "evals": [(e.step, e.losses, e.logits) for e in result.evals]}
+    if run.get("generate"):
+        prompts = [{"input_ids": s["input_ids"][:8]} for s in make_samples(n=8, seq_len=8, seed=3, min_len=8)]
+        saved["tokens"] = generate(accelerator, result.model, prompts, run["generate"])
+    if run.get("generate_refused"):  # pp / cp: refused with the reason, on every rank, before communicating
+        try:
+            result.model.generate(input_ids=torch.ones(2, 4, dtype=torch.long), max_new_tokens=2)
+            saved["generate_error"] = None
+        except (NotImplementedError, ValueError) as err:
+            saved["generate_error"] = str(err)
+    if run.get("held_after_forward"):  # a PP forward runs the whole schedule, backward included: not asked there
+        saved["held"] = _every_rank(held_after_forward(result.model, next(iter(accelerator._dataloaders[0])),
+                                                       accelerator))
+    if run.get("mixed_precision", "no") != "no":
+        batch = next(iter(accelerator._dataloaders[0]))
+        every = _every_rank(dtype_report(result.model, result.optimizer, batch, accelerator))
+        saved["dtype_problems"] = {r: p for r, (p, _, _) in enumerate(every) if p}
+        saved["compute_dtypes"] = [seen for _, seen, _ in every]
+        saved["logits_dtype"] = [logits for _, _, logits in every]
+    return saved, result
+
+
+def _plain_run(run: dict, spec: dict) -> dict:
+    """One process without nd_parallel (bf16_reference.train_plain), with the same records as a layout's run."""
+    evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
+    result, seen = train_plain(spec["models"][run["model"]], make_samples(**run["samples"]),
+                               Recipe(**run["recipe"]), run["mixed_precision"], eval_samples=evals)
+    return {"losses": result.losses, "norms": result.norms, "state": result.state, "compute_dtypes": [sorted(seen)],
+            "evals": [(e.step, e.losses, e.logits) for e in result.evals],
+            "logits_dtype": [str(e.logits_dtype) for e in result.evals], "rank_spread": 0.0}
+
+
 def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     for run in spec["runs"]:
-        recipe = Recipe(**run["recipe"])
-        # Accelerate keeps one AcceleratorState per process; runs with another precision need it reset (the
-        # process group, PartialState, stays).
-        AcceleratorState._reset_state(reset_partial_state=False)
-        accelerator = Accelerator(mixed_precision=run.get("mixed_precision", "no"))
-        plugin = NDParallelPlugin(ParallelismConfig(**run["layout"])).attach(accelerator)
-        samples = make_samples(**run["samples"])
-        evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
-        model = None
-        if run.get("load_dtype"):  # pure low-precision training: the weights themselves in that dtype
-            model = plugin.from_pretrained(spec["models"][run["model"]], dtype=getattr(torch, run["load_dtype"]))
-        if run.get("hf_gradient_checkpointing"):  # the switch users already know, honoured by prepare
-            model = plugin.from_pretrained(spec["models"][run["model"]], memory_efficient=False)
-            model.gradient_checkpointing_enable()
-        result = train_layout(accelerator, plugin, spec["models"][run["model"]], samples, recipe,
-                              eval_samples=evals, model=model)
-        # How many decoder layers this rank runs under activation checkpointing: a no-op would also be bit-equal.
-        checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in result.model.modules())
-        saved = {"losses": result.losses, "norms": result.norms, "state": result.state, "checkpointed": checkpointed,
-                 "evals": [(e.step, e.losses, e.logits) for e in result.evals]}
-        if run.get("generate"):
-            prompts = [{"input_ids": s["input_ids"][:8]} for s in make_samples(n=8, seq_len=8, seed=3, min_len=8)]
-            saved["tokens"] = generate(accelerator, result.model, prompts, run["generate"])
-        if run.get("generate_refused"):  # pp / cp: refused with the reason, on every rank, before communicating
-            try:
-                result.model.generate(input_ids=torch.ones(2, 4, dtype=torch.long), max_new_tokens=2)
-                saved["generate_error"] = None
-            except (NotImplementedError, ValueError) as err:
-                saved["generate_error"] = str(err)
-        if run.get("mixed_precision", "no") != "no":
-            batch = next(iter(accelerator._dataloaders[0]))
-            problems = dtype_report(result.model, result.optimizer, batch, accelerator)
-            every = [None] * dist.get_world_size() if dist.is_initialized() else [problems]
-            if dist.is_initialized():
-                dist.all_gather_object(every, problems)
-            saved["dtype_problems"] = {r: p for r, p in enumerate(every) if p}
-            saved["logits_dtype"] = str(result.evals[0].logits_dtype) if result.evals else None
-        every_losses = [result.losses]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every_losses = [None] * dist.get_world_size()
-            dist.all_gather_object(every_losses, result.losses)
-        saved["rank_spread"] = max((abs(a - b) for ls in every_losses for a, b in zip(ls, result.losses)), default=0.0)
+        if run.get("plain"):
+            saved = _plain_run(run, spec)
+        else:
+            saved, result = _layout_run(run, spec)
+            saved["rank_spread"] = max((abs(a - b) for ls in _every_rank(result.losses)
+                                        for a, b in zip(ls, result.losses)), default=0.0)
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(saved, f"{out_dir}/{run['name']}.pt")
         if dist.is_initialized():

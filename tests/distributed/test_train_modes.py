@@ -2,11 +2,15 @@
 
 Three launches (1 rank for every reference, 2 ranks, 4 ranks) run every row; each row is then its own test.
 
-- **bf16**: each layout vs one process running the same recipe (``fully_shard`` over one rank with the same
-  ``MixedPrecisionPolicy``), 10 AdamW steps, loss and gradient norm every step, at the tolerance derived in
-  ``BF16_LOSS_RTOL`` below; fp32 master weights / gradients / AdamW moments checked on every rank.
+- **bf16**: each layout (nd_parallel's one-process recipe included) vs one process in plain torch
+  (``bf16_reference.train_plain``: ``fully_shard`` over a one-rank mesh with ``MixedPrecisionPolicy(bf16, fp32)``),
+  10 AdamW steps, loss and gradient norm every step, at the tolerance derived in ``BF16_LOSS_RTOL`` below. On every
+  rank: fp32 master weights / gradients / AdamW moments, and bf16 compute as observed (the inputs and weights
+  reaching the decoder layers' matmuls, the logits). And the run is bf16 in its numbers: before the first update
+  its logits are closer to the bf16 reference's than to those of the same recipe in fp32.
 - **activation checkpointing** (fp32): each layout with "full" / "selective" / transformers' own switch vs the
-  same layout without checkpointing: 1e-6, and we also report where it is bit-equal.
+  same layout without checkpointing: bit-equal (losses, gradient norms, every parameter). Outside PP, the bytes a
+  training forward holds for backward on every rank: full < selective < none (transformers' switch = full).
 - **evaluation** (fp32): ``model.eval()`` + ``no_grad`` loss and full logits vs one process before training and
   after two steps; training then continues as one process's (parity tolerances) — and, under PP, bit for bit as
   the same layout that never evaluated. Greedy ``generate`` under DDP, FSDP and TP equals one process's tokens.
@@ -34,7 +38,6 @@ GLOBAL_BATCH = 4
 BF16_U = 2.0 ** -8
 BF16_LOSS_RTOL = BF16_U
 BF16_NORM_RTOL = 4 * BF16_U  # the norm sums squares of bf16-rounded gradients: 2u per square, plus the update
-AC_TOL = 1e-6
 EVAL_RTOL, LOGITS_ATOL = 1e-5, 1e-5
 PARAM_ATOL = 1e-5
 
@@ -46,6 +49,7 @@ EVAL = dict(n=8, seq_len=24, seed=1)
 
 # name -> (world, layout)
 BF16_LAYOUTS = {
+    "one": (1, {}),  # nd_parallel's recipe in one process: fully_shard over one rank, as the reference does by hand
     "ddp2": (2, dict(dp_replicate_size=2)), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
     "pp2": (2, dict(pp_size=2)), "cp2": (2, dict(cp_size=2)),
     "fsdp2_tp2": (4, dict(dp_shard_size=2, tp_size=2)), "pp2_fsdp2": (4, dict(pp_size=2, dp_shard_size=2)),
@@ -58,6 +62,9 @@ AC_LAYOUTS = {
 }
 AC_MODES = ("full", "selective", "hf")  # "hf": model.gradient_checkpointing_enable() before prepare
 HF_SWITCH_ROWS = {("llama", "one"), ("llama", "fsdp2"), ("llama", "pp2"), ("llama", "cp2")}  # it maps onto "full"
+# Where the bytes a training forward holds for backward are measured: not under PP, whose forward call runs the
+# whole schedule, backward included.
+HELD_LAYOUTS = ("one", "fsdp2", "tp2", "cp2", "ulysses2")
 EVAL_LAYOUTS = {
     "ddp2": (2, dict(dp_replicate_size=2)), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
     "pp2": (2, dict(pp_size=2)), "cp2": (2, dict(cp_size=2)),
@@ -90,15 +97,16 @@ def _plan():
     runs += [_run(f"pure_bf16_{n}_llama", "llama", BF16_LAYOUTS[n][0], BF16_LAYOUTS[n][1], load_dtype="bfloat16")
              for n in PURE_BF16_LAYOUTS]
     for fam in BF16_FAMILIES:
-        runs.append(_run(f"ref_bf16_{fam}", fam, 1, {}, "bf16"))
-        runs += [_run(f"bf16_{n}_{fam}", fam, w, lay, "bf16") for n, (w, lay) in BF16_LAYOUTS.items()]
+        runs += [_run(f"plain_{mp}_{fam}", fam, 1, {}, mp, eval_at=(0,), plain=True) for mp in ("bf16", "no")]
+        runs += [_run(f"bf16_{n}_{fam}", fam, w, lay, "bf16", eval_at=(0,)) for n, (w, lay) in BF16_LAYOUTS.items()]
     for fam in AC_FAMILIES:
         for n, (w, lay) in AC_LAYOUTS.items():
-            runs.append(_run(f"ac_none_{n}_{fam}", fam, w, lay, steps=5))
+            held = {"held_after_forward": True} if n in HELD_LAYOUTS else {}
+            runs.append(_run(f"ac_none_{n}_{fam}", fam, w, lay, steps=5, **held))
             for mode in AC_MODES:
                 if mode == "hf" and (fam, n) not in HF_SWITCH_ROWS:
                     continue
-                extra = {"hf_gradient_checkpointing": True} if mode == "hf" else {}
+                extra = {"hf_gradient_checkpointing": True, **held} if mode == "hf" else held
                 ac = {} if mode == "hf" else {"activation_checkpointing": mode}
                 runs.append(_run(f"ac_{mode}_{n}_{fam}", fam, w, {**lay, **ac}, steps=5, **extra))
     for fam in EVAL_FAMILIES:
@@ -143,16 +151,47 @@ def _param_diff(a, b):
 BF16_CASES = [(n, f) for f in BF16_FAMILIES for n in BF16_LAYOUTS]
 
 
+def _assert_computed_in(run, dtype):
+    """Every rank's decoder-layer matmuls took ``dtype`` inputs and weights, and its logits were ``dtype``."""
+    want = [f"input {dtype}", f"weight {dtype}"]
+    assert run["compute_dtypes"] and all(seen == want for seen in run["compute_dtypes"]), run["compute_dtypes"]
+    assert run["logits_dtype"] and set(run["logits_dtype"]) == {str(dtype)}, run["logits_dtype"]
+
+
+def _logits_rms(a, b) -> float:
+    """RMS difference of two runs' logits on the eval samples before the first update (the same weights)."""
+    (step_a, _, logits_a), (step_b, _, logits_b) = a["evals"][0], b["evals"][0]
+    assert step_a == step_b == 0 and logits_a.shape == logits_b.shape, (step_a, step_b)
+    return (logits_a - logits_b).pow(2).mean().sqrt().item()
+
+
+def _loss_gap(a, b) -> float:
+    """Mean absolute difference of two runs' losses over their steps."""
+    return sum(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True)) / len(b["losses"])
+
+
 @pytest.mark.parametrize("layout,family", BF16_CASES, ids=[f"{n}-{f}" for n, f in BF16_CASES])
 def test_bf16_matches_one_process_bf16(layout, family, results):
-    ref, run = results(f"ref_bf16_{family}"), results(f"bf16_{layout}_{family}")
+    ref, fp32 = results(f"plain_bf16_{family}"), results(f"plain_no_{family}")
+    run = results(f"bf16_{layout}_{family}")
     loss_rel, norm_rel = _rel(run["losses"], ref["losses"]), _rel(run["norms"], ref["norms"])
-    print(f"bf16 {layout} {family}: loss_rel {loss_rel:.2e} norm_rel {norm_rel:.2e}")
+    # bf16 in its numbers: nearer the bf16 reference than the same recipe in fp32, both in the logits before the
+    # first update (all three runs hold the same weights) and in the losses over the run. Where a layout keeps the
+    # reference's roundings (DDP, FSDP, PP) its logits are the reference's bit for bit; TP and CP round partial
+    # sums elsewhere, which moves them about as far as bf16 itself does, so there the margin is small (measured
+    # in docs/benchmarks.md). The gradient norm cannot tell: AdamW's amplification of any rounding difference
+    # makes it as far from fp32 as from the reference.
+    logits = _logits_rms(run, ref), _logits_rms(run, fp32)
+    losses = _loss_gap(run, ref), _loss_gap(run, fp32)
+    print(f"bf16 {layout} {family}: loss_rel {loss_rel:.2e} norm_rel {norm_rel:.2e}; to the bf16 reference / to fp32:"
+          f" logits rms {logits[0]:.2e} / {logits[1]:.2e}, mean loss gap {losses[0]:.2e} / {losses[1]:.2e}")
     assert len(run["losses"]) == len(ref["losses"]) == 10
     assert run["rank_spread"] == 0.0, "the reported loss differs between ranks"
-    assert run["dtype_problems"] == {} and ref["dtype_problems"] == {}, run["dtype_problems"]
+    assert run["dtype_problems"] == {}, run["dtype_problems"]
+    _assert_computed_in(run, torch.bfloat16)
     assert loss_rel <= BF16_LOSS_RTOL, (run["losses"], ref["losses"])
     assert norm_rel <= BF16_NORM_RTOL, (run["norms"], ref["norms"])
+    assert logits[1] > logits[0] and losses[1] > losses[0], "nearer fp32 than bf16: the layout did not run bf16"
     assert ref["losses"][-1] < ref["losses"][0]
 
 
@@ -166,12 +205,16 @@ def test_model_loaded_in_bf16_still_trains(layout, results):
     assert all(v.dtype == torch.bfloat16 for v in run["state"].values())
 
 
-def test_bf16_computes_in_bf16(results):
-    """The reference's own dtypes: fp32 weights and moments, but its logits are bf16 (the compute dtype)."""
-    fp32, bf16 = results("ac_none_one_llama"), results("ref_bf16_llama")
-    assert bf16["dtype_problems"] == {}
-    assert max(abs(a - b) for a, b in zip(fp32["losses"], bf16["losses"])) > 1e-6, "bf16 changed nothing"
+@pytest.mark.parametrize("family", BF16_FAMILIES)
+def test_bf16_reference_computes_in_bf16(family, results):
+    """The plain-torch reference against the same recipe in fp32 (same steps, LR schedule and batches): bf16
+    compute, fp32 master weights, and numbers that differ from fp32's."""
+    bf16, fp32 = results(f"plain_bf16_{family}"), results(f"plain_no_{family}")
+    _assert_computed_in(bf16, torch.bfloat16)
+    _assert_computed_in(fp32, torch.float32)
     assert all(v.dtype == torch.float32 for v in bf16["state"].values())
+    assert len(bf16["losses"]) == len(fp32["losses"]) == 10
+    assert _loss_gap(bf16, fp32) > 0 and _logits_rms(bf16, fp32) > 0, "bf16 changed nothing"
 
 
 AC_CASES = [(m, n, f) for f in AC_FAMILIES for n in AC_LAYOUTS for m in AC_MODES
@@ -180,15 +223,32 @@ AC_CASES = [(m, n, f) for f in AC_FAMILIES for n in AC_LAYOUTS for m in AC_MODES
 
 @pytest.mark.parametrize("mode,layout,family", AC_CASES, ids=[f"{m}-{n}-{f}" for m, n, f in AC_CASES])
 def test_activation_checkpointing_changes_no_number(mode, layout, family, results):
+    """fp32: the recomputation runs the same kernels on the same inputs, so every number is the same bit for bit."""
     base, run = results(f"ac_none_{layout}_{family}"), results(f"ac_{mode}_{layout}_{family}")
-    loss_rel, norm_rel = _rel(run["losses"], base["losses"]), _rel(run["norms"], base["norms"])
-    params = _param_diff(run["state"], base["state"])
-    exact = run["losses"] == base["losses"] and all(torch.equal(run["state"][k], base["state"][k]) for k in base["state"])
-    print(f"ac {mode} {layout} {family}: loss_rel {loss_rel:.1e} norm_rel {norm_rel:.1e} params {params:.1e} "
-          f"bit-equal {exact}")
-    assert loss_rel <= AC_TOL and norm_rel <= AC_TOL and params <= AC_TOL
+    differ = [k for k in base["state"] if not torch.equal(run["state"][k], base["state"][k])]
+    print(f"ac {mode} {layout} {family}: loss_rel {_rel(run['losses'], base['losses']):.1e} norm_rel "
+          f"{_rel(run['norms'], base['norms']):.1e} params {_param_diff(run['state'], base['state']):.1e}")
+    assert run["losses"] == base["losses"], (run["losses"], base["losses"])
+    assert run["norms"] == base["norms"], (run["norms"], base["norms"])
+    assert not differ, differ[:4]
     # ... and checkpointing was on: rank 0's decoder layers (or its pipeline stage's) run checkpointed
     assert base["checkpointed"] == 0 and run["checkpointed"] >= 1, (base["checkpointed"], run["checkpointed"])
+    if mode == "hf" and layout in HELD_LAYOUTS:  # transformers' switch is "full", byte for byte
+        assert run["held"] == results(f"ac_full_{layout}_{family}")["held"]
+
+
+HELD_CASES = [(n, f) for f in AC_FAMILIES for n in HELD_LAYOUTS]
+
+
+@pytest.mark.parametrize("layout,family", HELD_CASES, ids=[f"{n}-{f}" for n, f in HELD_CASES])
+def test_checkpointing_modes_hold_different_bytes(layout, family, results):
+    """On every rank, what a training forward holds for backward: "full" (each layer's input) < "selective" (also
+    the matmul and attention outputs) < none. A "selective" that recomputed everything would equal "full", one
+    that saved everything would hold at least what no checkpointing holds."""
+    held = {m: results(f"ac_{m}_{layout}_{family}")["held"] for m in ("none", "selective", "full")}
+    print(f"held after forward {layout} {family}: {held}")
+    for rank, (none, selective, full) in enumerate(zip(held["none"], held["selective"], held["full"])):
+        assert full < selective < none, (rank, held)
 
 
 EVAL_CASES = [(n, f) for f in EVAL_FAMILIES for n in EVAL_LAYOUTS]

@@ -99,3 +99,27 @@ def test_hf_switch_is_taken_over():
     assert requested_mode(model, None) == "full"
     assert not any(getattr(layer, "gradient_checkpointing", False) for layer in model.model.layers)
     assert requested_mode(model, "selective") == "selective"
+
+
+def test_checkpointing_modes_keep_different_bytes():
+    """What a training forward holds for backward: "full" keeps each layer's input only, "selective" also the outputs
+    of the matmuls (and attention), no checkpointing everything autograd saves. A "selective" that recomputed
+    everything would equal "full"; one that saved everything would keep at least what no checkpointing keeps."""
+    from nd_parallel.planner.measure import LiveTensorBytes
+
+    batch, seq, layers = 2, 64, 2
+    ids = torch.randint(1, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    held = {}
+    for mode in (None, "selective", "full"):
+        torch.manual_seed(0)
+        model = tiny_model(num_hidden_layers=layers)
+        apply_activation_checkpointing(model, mode)
+        with LiveTensorBytes([]) as live:
+            out = model(input_ids=ids, labels=ids)
+            held[mode] = live.current
+        out.loss.backward()
+    print(f"held after forward: none {held[None]} selective {held['selective']} full {held['full']} bytes")
+    assert held["full"] < held["selective"] < held[None], held
+    # "selective" keeps every Linear's output of every layer (fp32 here), which "full" recomputes
+    linear_out = sum(m.out_features for m in model.model.layers[0].modules() if isinstance(m, nn.Linear))
+    assert held["selective"] - held["full"] >= layers * batch * seq * linear_out * 4, held
