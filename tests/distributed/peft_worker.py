@@ -6,7 +6,8 @@ SPEC_JSON: {"models": {key: dir}, "recipe": {...}, "samples": {...},
 extras: "save_at": k and "ckpt": dir -> accelerator.save_state(dir) after step k (training goes on);
 "resume": dir -> accelerator.load_state(dir) right after prepare; "adapter" / "merged": dir -> save_model at the end.
 Besides losses, norms and the final state it records, on every rank, what a frozen base must not cost: any
-gradient or optimizer state on a frozen parameter, and the bytes of parameters + gradients + optimizer state.
+gradient or optimizer state on a frozen parameter, and the bytes of parameters + gradients + optimizer state;
+for the memory-efficient "load" path, the adapter values it initialised (rank 0's, which prepare gives every rank).
 """
 
 import json
@@ -15,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from peft_recipe import layout_model, optimizer_and_schedule
+from peft_recipe import initial_adapter, layout_model, optimizer_and_schedule
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
@@ -30,6 +31,7 @@ def _local_bytes(t) -> int:
 
 def run(accelerator, plugin, model_dir, how, samples, recipe, extras):
     model = layout_model(plugin, model_dir, how)
+    init = initial_adapter(model) if how == "load" else None  # what the one-process reference starts from
     opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
@@ -60,7 +62,7 @@ def run(accelerator, plugin, model_dir, how, samples, recipe, extras):
         accelerator.save_model(model, extras["adapter"])
     if "merged" in extras:
         accelerator.save_model(model, extras["merged"], merge_adapter=True)
-    return losses, norms, accelerator.get_state_dict(model), frozen_grads, frozen_state, memory
+    return losses, norms, accelerator.get_state_dict(model), frozen_grads, frozen_state, memory, init
 
 
 def main(out_dir: str, spec_path: str) -> None:
@@ -70,7 +72,7 @@ def main(out_dir: str, spec_path: str) -> None:
     for model_key, layout, how, result_name, extras in spec["runs"]:
         accelerator = Accelerator()
         plugin = NDParallelPlugin(ParallelismConfig(**layout)).attach(accelerator)
-        losses, norms, state, frozen_grads, frozen_state, memory = run(
+        losses, norms, state, frozen_grads, frozen_state, memory, init = run(
             accelerator, plugin, spec["models"][model_key], how, samples, recipe, extras)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (losses, frozen_grads, frozen_state, memory))
@@ -78,7 +80,7 @@ def main(out_dir: str, spec_path: str) -> None:
             spread = max(abs(a - b) for other in gathered for a, b in zip(other[0], losses))
             torch.save({"losses": losses, "norms": norms, "state": state, "rank_spread": spread,
                         "frozen_grads": sum(g[1] for g in gathered), "frozen_state": sum(g[2] for g in gathered),
-                        "memory": [g[3] for g in gathered]}, f"{out_dir}/{result_name}.pt")
+                        "memory": [g[3] for g in gathered], "adapter_init": init}, f"{out_dir}/{result_name}.pt")
         dist.barrier()
 
 

@@ -171,6 +171,17 @@ def test_trainer_resumes_under_another_layout(runs):
     assert max((resumed["state"][k] - v).abs().max().item() for k, v in whole["state"].items()) <= 1e-5
 
 
-def test_trainer_save_model_writes_the_adapter(runs):
+def test_trainer_save_model_writes_the_adapter(runs, references):
+    """trainer.save_model under FSDP2xTP2 writes the adapter the one-process Trainer trained, tensor by tensor."""
+    from safetensors.torch import load_file
+
     out = runs("4r") / "adapter"
     assert {p.name for p in out.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    exported = load_file(out / "adapter_model.safetensors")
+    _, ref = _row_and_reference("4r", "lora_fsdp2_tp2", runs, references)
+    want = ref["adapter"]
+    assert set(exported) == set(want), sorted(set(exported) ^ set(want))
+    worst = max((exported[k] - v).abs().max().item() for k, v in want.items())
+    print(f"trainer save_model adapter vs one-process Trainer: max abs {worst:.1e}")
+    assert worst <= 1e-5, worst
+    assert all(v.abs().max() > 1e-4 for k, v in want.items() if ".lora_B." in k)  # trained: B left its zero init

@@ -7,7 +7,8 @@ A null config is the reference: no callback. extras: "lora": true wraps the mode
 "eval": {make_samples kwargs} evaluates on them every 2 steps inside train() and twice after it, with logits
 (compute_metrics: next-token accuracy, mean logit, prediction count) and with prediction_loss_only=True.
 Writes, from the main process, the logged losses and grad norms, eval results, how many decoder layers run under
-nd_parallel's activation checkpointing, and the final full state of each run.
+nd_parallel's activation checkpointing, the final full state of each run and, for a LoRA reference, its trained
+adapter under the names PEFT saves it with.
 """
 
 import json
@@ -70,8 +71,14 @@ def main(out_dir: str, spec_path: str) -> None:
         accelerator = trainer.accelerator
         state = accelerator.get_state_dict(trainer.model_wrapped)
         logs = [h for h in trainer.state.log_history if "loss" in h]
+        adapter = None
+        if extras.get("lora") and config is None:  # the reference's trained adapter, as PEFT names it for saving
+            from peft import get_peft_model_state_dict
+
+            adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
         if accelerator.is_main_process:
             torch.save({"losses": [h["loss"] for h in logs], "norms": [h["grad_norm"] for h in logs],
+                        "adapter": adapter,
                         "steps": [h["step"] for h in logs], "state": state,
                         "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
                         "after": {k: v for k, v in after.items() if k.partition("_")[2] in ("loss", "acc", "mean_logit",
