@@ -5,7 +5,8 @@ SPEC_JSON: {"model": dir, "samples": {...}, "steps": N, "per_rank": b, "ckpt": d
             "layouts": {name: {"config": {...}, "resume": bool, "export": null | max_shard_size, "shift": k}},
             "save": [names saved in this launch], "load": [names loaded in this launch], "checkpoints": [names]}
 
-save: per layout, N steps, save_state, the full state gathered at that moment, optionally save_model, then
+save: per layout, N steps, save_state, the full state gathered at that moment, every rank's bytes of model and
+      optimizer tensors it holds (what its shard of the checkpoint may weigh), optionally save_model, then
       (if resume) N more steps of the same run: the uninterrupted reference.
 load: per layout, prepare once; load its own checkpoint and train N steps (if resume); then load every
       checkpoint in turn and gather the full state. Rank 0 writes what the test compares.
@@ -17,6 +18,7 @@ import warnings
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
@@ -70,6 +72,19 @@ class Run:
         return losses
 
 
+def held_bytes(model, opt) -> int:
+    """Bytes of the parameters and optimizer state this rank holds: its pieces of each DTensor, its stages' tensors
+    under PP. Counted from the live model, not from what the checkpoint code hands DCP."""
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    optimizer = getattr(opt, "optimizer", opt)
+    params = {id(p): p for p in model.parameters()}.values()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return sum(local(t) for t in [*params, *state])
+
+
 def save_phase(spec: dict) -> None:
     n = spec["steps"]
     for name in spec["save"]:
@@ -79,6 +94,7 @@ def save_phase(spec: dict) -> None:
         result = {"first": run.steps(n)}
         acc.save_state(f"{spec['ckpt']}/{name}")
         result["state"] = full_state(acc, run.model, run.opt)
+        result["held"] = gather_object([held_bytes(run.model, run.opt)])  # in rank order
         result["sched"] = run.sched.state_dict()
         if layout["export"]:
             acc.save_model(run.model, f"{spec['out']}/export_{name}", max_shard_size=layout["export"])

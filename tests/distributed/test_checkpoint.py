@@ -229,11 +229,42 @@ def test_offline_export_cli(matrix, saved, tmp_path):
     assert torch.equal(logits, _reference_logits(matrix / "model", saved["pp2_fsdp2"]["state"], ids))
 
 
-def test_dcp_shard_files_per_rank(matrix):
-    """Each rank wrote its own file, and no file holds the whole model (sharded layouts)."""
-    for name in ("fsdp2", "fsdp2_tp2", "pp2_fsdp2"):
-        files = sorted((matrix / "ckpt" / name / "dcp").glob("*.distcp"))
-        assert len(files) == LAYOUTS[name]["world"], files
-        sizes = [f.stat().st_size for f in files]
-        assert max(sizes) < 0.75 * sum(sizes), (name, sizes)
+def _written(dcp_dir: Path) -> tuple[dict[int, int], dict[str, int]]:
+    """From the checkpoint's DCP metadata: the tensor bytes placed in each rank's file (``__<rank>_<n>.distcp``),
+    and each file's bytes as the metadata accounts for them (every item's byte range, pickled values included)."""
+    import math
+
+    from nd_parallel.checkpoint.format import read_dcp_metadata
+
+    meta = read_dcp_metadata(dcp_dir)
+    tensor_bytes, file_bytes = {}, {}
+    for index, info in meta.storage_data.items():
+        file_bytes[info.relative_path] = file_bytes.get(info.relative_path, 0) + info.length
+        entry = meta.state_dict_metadata[index.fqn]
+        if not hasattr(entry, "chunks"):  # a pickled value: hyper-parameters, schedulers
+            continue
+        chunk = next(c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset))
+        rank = int(info.relative_path.split("_")[2])
+        tensor_bytes[rank] = tensor_bytes.get(rank, 0) + math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+    return tensor_bytes, file_bytes
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2_tp2", "pp2_fsdp2"])
+def test_dcp_shard_files_per_rank(name, matrix, saved, on_disk):
+    """Each rank wrote its own file, holding at most the tensors that rank holds (its shards under the layout):
+    one rank writing the whole model, or whole tensors, would exceed its own bytes."""
+    dcp_dir = matrix / "ckpt" / name / "dcp"
+    files = sorted(dcp_dir.glob("*.distcp"))
+    assert len(files) == LAYOUTS[name]["world"], files
+    wrote, file_bytes = _written(dcp_dir)
+    held = saved[name]["held"]
+    print(f"{name}: tensor bytes written per rank {[wrote.get(r, 0) for r in range(len(held))]}, held {held}")
+    for rank, own in enumerate(held):
+        assert 0 < wrote.get(rank, 0) <= own, (name, rank, wrote, held)
+    # the files hold exactly what the metadata places in them, and every tensor of the checkpoint once
+    assert {f.name: f.stat().st_size for f in files} == file_bytes
+    assert sum(wrote.values()) == sum(t.numel() * t.element_size() for t in on_disk[name].values())
+
+
+def test_config_written_with_the_checkpoint(matrix):
     assert os.path.isfile(matrix / "ckpt" / "pp2" / "config.json")
