@@ -1,8 +1,9 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
 Variants: completion (full fine-tuning, val_set_size + eval every 2 steps), alpaca + LoRA, chat_template with
-sample packing (full), alpaca + chat_template mixed with sample packing + LoRA. Gradient accumulation 2, linear
-LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 16 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
+sample packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
+(gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2, linear
+LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 20 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
 micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else
 in its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or
 adapter (atol 1e-5).
@@ -36,6 +37,15 @@ def _variants(data):
         "alpaca_lora": dict(datasets=[alpaca], **LORA),
         "chat_packed": dict(datasets=[chat_entry(data["chat"])], sample_packing=True),
         "mixed_packed_lora": dict(datasets=[alpaca, chat_entry(data["chat"])], sample_packing=True, **LORA),
+        # the keys of the real-world LoRA YAML (tests/unit/test_train_yaml.py) that change what a run does; no
+        # gradient accumulation, so that its densely packed rows last beyond the 3 steps under dp 2 (an epoch's end
+        # repeats samples to even out the ranks)
+        "real_world_lora": dict(datasets=[alpaca], sample_packing=True, gradient_accumulation_steps=1, pad_to_sequence_len=True, val_set_size=0.25,
+                           evals_per_epoch=2, gradient_checkpointing=True, lr_scheduler="cosine", warmup_steps=1,
+                           special_tokens={"pad_token": "<pad>"}, fsdp_version=2,
+                           fsdp_config={"reshard_after_forward": True, "state_dict_type": "FULL_STATE_DICT",
+                                        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                        "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}, **LORA),
     }
 
 
@@ -53,14 +63,16 @@ def runs(tmp_path_factory):
                                        {**BASE, **keys, **sizes, **shared, "output_dir": str(out)}))
         for dp in (1, 2):
             cfg = {**BASE, **keys, **shared, "output_dir": str(root / f"{variant}-ref{dp}"),
-                   "micro_batch_size": BASE["micro_batch_size"] * dp}
+                   "micro_batch_size": keys.get("micro_batch_size", BASE["micro_batch_size"]) * dp}
             refs.append(write_yaml(root / f"{variant}-ref{dp}.yaml", cfg))
     run_jobs(jobs_for(refs, root, 1), root, 1)
     run_jobs(jobs_for(parallel, root, 2), root, 2)
     return root
 
 
-CASES = [(v, lay) for v in ("completion", "alpaca_lora", "chat_packed", "mixed_packed_lora") for lay in LAYOUTS]
+VARIANTS = ("completion", "alpaca_lora", "chat_packed", "mixed_packed_lora", "real_world_lora")
+CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
+EVALS = {"completion": 2, "real_world_lora": 1}  # eval_steps 2: step 2 and the last; evals_per_epoch: the last
 
 
 @pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])
@@ -73,7 +85,7 @@ def test_same_yaml_matches_one_process(runs, variant, layout):
     if "lora" not in variant:  # 3 LoRA steps from B = 0 move the loss too little to fall reliably
         assert ref_losses[-1] < ref_losses[0]
     evals, ref_evals = logged(got, "eval_log.jsonl"), logged(ref, "eval_log.jsonl")
-    assert len(evals) == len(ref_evals) == (2 if variant == "completion" else 0)  # step 2, and the last step
+    assert len(evals) == len(ref_evals) == EVALS.get(variant, 0), (evals, ref_evals)
     for a, b in zip(evals, ref_evals):
         assert a["step"] == b["step"] and abs(a["eval_loss"] - b["eval_loss"]) <= 1e-5 * abs(b["eval_loss"])
     tensors, ref_tensors = saved_tensors(got), saved_tensors(ref)

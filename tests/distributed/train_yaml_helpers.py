@@ -53,7 +53,7 @@ def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list:
     jobs = []
     for path in paths:
         cfg = load_train_config(path)
-        layout, ranks, _ = resolve_train_layout(cfg, path, None, cpu=True)
+        layout, ranks, _ = resolve_train_layout(cfg, path, nproc, cpu=True)  # as `--nproc N`
         assert ranks == nproc, (path, ranks)
         job, _ = build_job(path, cfg, layout, str(workdir / path.stem))
         jobs.append(job)
