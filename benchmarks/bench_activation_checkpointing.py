@@ -13,7 +13,8 @@ model at a sequence long enough that activations dominate (default hidden 256, 4
   Under "selective" with CP the ring runs with dispatch modes off (context_parallel/hf.py), so its transient
   buffers are not seen by the tracker; its saved outputs are recomputed anyway.
 - **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank. The modes
-  alternate step by step inside one launch, so machine noise hits them alike.
+  alternate step by step inside one launch, so machine noise hits them alike. The bytes above are measured in a
+  step of their own, before the timed ones: no timed step runs under a dispatch mode.
 
 The formula to compare with: "full" keeps each layer's input, ~2·s·b·h bytes per layer in bf16 (4·s·b·h in
 fp32 here), plus the embedding output, final norm and logits.
@@ -115,12 +116,15 @@ def worker(args) -> None:
     from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
 
     held, peaks, times = {}, {}, {m: [] for m in MODES}
-    for step in range(args.warmup + args.steps):
+    # warm-up steps, then the one instrumented step (after a step, so gradients exist and count as state), then
+    # the timed steps: no timed step runs under the dispatch modes, which slow every op down
+    measured_at = max(1, args.warmup)
+    for step in range(measured_at + 1 + args.steps):
         for mode, (accelerator, model, opt, batch) in runs.items():
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
-            if step == min(1, args.warmup + args.steps - 1):  # after one step: gradients exist and count as state
+            if step == measured_at:
                 peak = LiveTensorBytes(state_tensors(model, opt))
                 before = peak.current
                 with peak:
@@ -136,7 +140,7 @@ def worker(args) -> None:
             opt.step()
             opt.zero_grad(set_to_none=False)  # gradients stay allocated: the peak below is activations, not grads
             out.loss.item()
-            if step >= args.warmup:
+            if step > measured_at:
                 times[mode].append(time.perf_counter() - start)
     medians = {str(m): statistics.median(t) for m, t in times.items()}
     every = _common.gather({"held": held, "peak": peaks, "time": medians})
