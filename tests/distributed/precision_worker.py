@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from accelerate.utils import gather_object
 from bf16_reference import ComputeDtypes, train_plain
 from torch.utils.data import DataLoader
 
@@ -73,11 +74,7 @@ def generate(accelerator, model, prompts, new_tokens: int):
 
 def _every_rank(value) -> list:
     """``value`` from every rank, in rank order (one process: ``[value]``)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, value)
-    return every
+    return gather_object([value])
 
 
 def held_after_forward(model, batch, accelerator) -> int:
