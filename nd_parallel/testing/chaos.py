@@ -327,7 +327,7 @@ class ChaosRun:
             t_detect, report = t_gone, f"every other rank stopped {t_gone - t0:.2f} s after the {fault.kind}"
             # how they learnt it: a failed collective (a peer's sockets closed) or, where they waited on nothing
             # that fails (the store), the hang watchdog, whose report then names the wait
-            hang = self._line(t0, "[nd_parallel] hang:")
+            hang = self._line(t0, "[nd_parallel] hang:") or self._line(t0, "[nd_parallel] hang reported by")
             if hang and hang[0] <= t_gone:
                 report += f"; the hang watchdog told them: {hang[1]}"
         if fault.kind == "node":
