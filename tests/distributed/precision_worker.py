@@ -11,6 +11,7 @@ the inputs and weights reaching the decoder layers' matmuls (bf16_reference.Comp
 A run with "plain": true is a one-process reference without nd_parallel (bf16_reference.train_plain).
 """
 
+import gc
 import json
 import sys
 
@@ -84,6 +85,9 @@ def held_after_forward(model, batch, accelerator) -> int:
     then runs as usual, so the run's state is untouched apart from its gradients, which are zeroed."""
     with LiveTensorBytes([]) as live:
         out = model(**batch)
+        # garbage in reference cycles is freed only when the collector runs, which depends on each rank's own
+        # allocation count: collect it, so that what is left is what the forward keeps for backward
+        gc.collect()
         held = live.current
     accelerator.backward(out.loss)
     model.zero_grad(set_to_none=True)
