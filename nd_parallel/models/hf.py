@@ -103,8 +103,9 @@ class ModelParts:
 def model_parts(model: nn.Module) -> ModelParts:
     """Describe ``model`` as pre / layers / post modules (HF names), from its layer stack and module tree.
 
-    Around the stack the module tree decides (a plan's dict order is not execution order): modules registered
-    before the stack come first, modules after it and the outer model's heads last, and modules without
+    Around the stack the base model's forward decides (a plan's dict order is not execution order, nor is the
+    order modules were registered in): modules it uses before the stack come first, modules after it and the
+    outer model's heads last (registration order where its source cannot be read), and modules without
     parameters (rotary embeddings, dropout) are shared by every stage.
     """
     layers_fqn, layers = layer_stack(model)
@@ -112,15 +113,17 @@ def model_parts(model: nn.Module) -> ModelParts:
     parent = model.get_submodule(parent_fqn) if parent_fqn else model
     prefix = f"{parent_fqn}." if parent_fqn else ""
     pre, post, shared = [], [], []
-    seen_layers = False
+    children = [name for name, child in parent.named_children() if _has_params(child)]
+    order = forward_order(parent, children) or {name: i for i, name in enumerate(children)}
+    stack = order[layers_fqn.rpartition(".")[2]]
     for name, child in parent.named_children():
         fqn = prefix + name
         if fqn == layers_fqn:
-            seen_layers = True
-        elif not _has_params(child):
+            continue
+        if not _has_params(child):
             shared.append(fqn)
         else:
-            (post if seen_layers else pre).append(fqn)
+            (post if order[name] > stack else pre).append(fqn)
     # Modules of the outer model beside the base model (lm_head, or a score head) come last.
     for name, child in model.named_children():
         if not (parent_fqn == name or parent_fqn.startswith(name + ".")) and _has_params(child):
