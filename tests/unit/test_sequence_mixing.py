@@ -124,3 +124,13 @@ def test_sinks_are_applied_by_ring_and_ulysses_and_refused_by_torchs_sdpa():
     with pytest.raises(NotImplementedError, match=r"GptOssForCausalLM has attention sinks \(s_aux\), which "
                                                   r"cp_backend='torch'.*use cp_backend='ring' or 'ulysses'"):
         check_model(model, ParallelismConfig(cp_size=2, cp_backend="torch"), "cuda")
+
+
+def test_the_orchestrators_checks_refuse_it_before_the_mesh():
+    """parallelize.check_model (step 1, no process group exists here) is where the refusal happens in prepare."""
+    from nd_parallel.distributed.parallelize import check_model as check_layout
+
+    model = build("lfm2", layer_types=["full_attention", "conv"])
+    with pytest.raises(NotImplementedError, match=r"model.layers.1.conv.conv \(Conv1d: Conv1d over the sequence"):
+        check_layout(model, CP2, "cpu")
+    assert check_layout(model, ParallelismConfig(pp_size=2), "cpu") is None  # only CP is refused
