@@ -210,14 +210,22 @@ def forward_order(module: nn.Module, names: list[str]) -> dict[str, int] | None:
     return {name: rank for rank, name in enumerate(sorted(first, key=first.get))}
 
 
-def output_arity(layer: nn.Module) -> int:
+def output_arity(layer: nn.Module) -> int | None:
     """How many values a decoder layer's forward returns: 0 for a bare tensor (current transformers), n for the
     n-tuple of older families (``return output, attn_weights``: falcon, bloom), read from its return statements.
-    A pipeline stage's stand-in for a layer it does not own must return the same shape of thing."""
+    A pipeline stage's stand-in for a layer it does not own must return the same shape of thing. None where the
+    tuple is built at run time (``return (x,) + outputs``, or a name bound to a tuple: mvp, rwkv, trocr), whose
+    length a stand-in cannot know."""
     tree = _forward_tree(type(layer))
     if tree is None:
         return 0
-    sizes = {len(n.value.elts) for n in ast.walk(tree) if isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple)}
+    returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+             for t in n.targets if isinstance(t, ast.Name)}
+    if any(isinstance(r, ast.Name) and r.id in bound or isinstance(r, ast.BinOp)
+           and ast.Tuple in (type(r.left), type(r.right)) for r in returns):
+        return None
+    sizes = {len(r.elts) for r in returns if isinstance(r, ast.Tuple)}
     return max(sizes) if sizes else 0
 
 

@@ -52,3 +52,19 @@ def test_stages_in_sequence_equal_the_whole_model(model_type, stages):
     torch.testing.assert_close(x, expected, rtol=0, atol=1e-6)
     stand_ins = [m for m in skeletons[-1].modules() if isinstance(m, PassThrough)]
     assert stand_ins and all(s.arity == output_arity(model.get_submodule(parts.layers_fqn)[0]) for s in stand_ins)
+
+
+@pytest.mark.parametrize("model_type,layer", [("trocr", "TrOCRDecoderLayer"), ("rwkv", "RwkvBlock"),
+                                              ("mvp", "MvpDecoderLayer")])
+def test_layers_returning_a_tuple_built_at_run_time_are_refused(model_type, layer):
+    """``return outputs`` / ``(x,) + outputs``: no stand-in can know the length, so the split is refused by the
+    checks that run before any collective (validate_pipeline, step 1 of parallelize), not crash in a stage."""
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.distributed.pipeline import validate_pipeline
+    from nd_parallel.models.hf import UnsplittableModel
+
+    model = build(model_type, layers=2)
+    assert output_arity(model.get_submodule(model_parts(model).layers_fqn)[0]) is None
+    with pytest.raises(UnsplittableModel, match=rf"{layer}.forward returns a tuple whose length is decided at run "
+                                                r"time.*use pp_size=1"):
+        validate_pipeline(model, ParallelismConfig(pp_size=2))

@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from nd_parallel.models.hf import ModelParts, output_arity
+from nd_parallel.models.hf import ModelParts, UnsplittableModel, output_arity
 
 from .split import StageSpec
 
@@ -53,6 +53,17 @@ class ZeroStandIn(nn.Module):
         if first is not None and first.is_floating_point():
             return torch.zeros_like(first, dtype=self.dtype)
         return torch.zeros((), dtype=self.dtype, device=None if first is None else first.device)
+
+
+def check_stand_ins(model: nn.Module, parts: ModelParts) -> None:
+    """Refuse, before any collective, a model whose decoder layers return a tuple built at run time: a stage's
+    stand-in for a layer it does not own could not return the same thing, and the model's loop would read a
+    wrong value or crash."""
+    for layer in {type(m): m for m in model.get_submodule(parts.layers_fqn)}.values():
+        if output_arity(layer) is None:
+            raise UnsplittableModel(
+                f"{type(layer).__name__}.forward returns a tuple whose length is decided at run time, so a pipeline "
+                f"stage cannot stand in for the layers it does not own; use pp_size=1 for {type(model).__name__}")
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
