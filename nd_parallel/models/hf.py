@@ -10,6 +10,10 @@ list of family names, so a new family is understood the same way.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -99,8 +103,9 @@ class ModelParts:
 def model_parts(model: nn.Module) -> ModelParts:
     """Describe ``model`` as pre / layers / post modules (HF names), from its layer stack and module tree.
 
-    Around the stack the module tree decides (a plan's dict order is not execution order): modules registered
-    before the stack come first, modules after it and the outer model's heads last, and modules without
+    Around the stack the base model's forward decides (a plan's dict order is not execution order, nor is the
+    order modules were registered in): modules it uses before the stack come first, modules after it and the
+    outer model's heads last (registration order where its source cannot be read), and modules without
     parameters (rotary embeddings, dropout) are shared by every stage.
     """
     layers_fqn, layers = layer_stack(model)
@@ -108,15 +113,17 @@ def model_parts(model: nn.Module) -> ModelParts:
     parent = model.get_submodule(parent_fqn) if parent_fqn else model
     prefix = f"{parent_fqn}." if parent_fqn else ""
     pre, post, shared = [], [], []
-    seen_layers = False
+    children = [name for name, child in parent.named_children() if _has_params(child)]
+    order = forward_order(parent, children) or {name: i for i, name in enumerate(children)}
+    stack = order[layers_fqn.rpartition(".")[2]]
     for name, child in parent.named_children():
         fqn = prefix + name
         if fqn == layers_fqn:
-            seen_layers = True
-        elif not _has_params(child):
+            continue
+        if not _has_params(child):
             shared.append(fqn)
         else:
-            (post if seen_layers else pre).append(fqn)
+            (post if order[name] > stack else pre).append(fqn)
     # Modules of the outer model beside the base model (lm_head, or a score head) come last.
     for name, child in model.named_children():
         if not (parent_fqn == name or parent_fqn.startswith(name + ".")) and _has_params(child):
@@ -171,3 +178,107 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     plan = dict(getattr(type(model), "_tp_plan", None) or {})
     plan.update(_from_base_plan(model, getattr(text_config(model), "base_model_tp_plan", None) or {}))
     return plan
+
+
+# ------------------------------------------------------------------------------------------ source reading
+@functools.lru_cache(maxsize=None)
+def _forward_tree(cls: type) -> ast.FunctionDef | None:
+    """The parsed source of ``cls.forward`` (decorators unwrapped), or None where it cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
+        node = ast.parse(source).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def forward_order(module: nn.Module, names: list[str]) -> dict[str, int] | None:
+    """Where ``module.forward`` first uses ``self.<name>`` for each child name (source position), so the order
+    in which the children run, not the order they were registered (OPT registers its final norm before its
+    layers). None where the source cannot be read or does not name every child."""
+    tree = _forward_tree(type(module))
+    if tree is None:
+        return None
+    first: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            key = (node.lineno, node.col_offset)
+            if node.attr in names and (node.attr not in first or key < first[node.attr]):
+                first[node.attr] = key
+    if set(first) != set(names):
+        return None
+    return {name: rank for rank, name in enumerate(sorted(first, key=first.get))}
+
+
+def output_arity(layer: nn.Module) -> int | None:
+    """How many values a decoder layer's forward returns: 0 for a bare tensor (current transformers), n for the
+    n-tuple of older families (``return output, attn_weights``: falcon, bloom), read from its return statements.
+    A pipeline stage's stand-in for a layer it does not own must return the same shape of thing. None where the
+    tuple is built at run time (``return (x,) + outputs``, or a name bound to a tuple: mvp, rwkv, trocr), whose
+    length a stand-in cannot know."""
+    tree = _forward_tree(type(layer))
+    if tree is None:
+        return 0
+    returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+             for t in n.targets if isinstance(t, ast.Name)}
+    if any(isinstance(r, ast.Name) and r.id in bound or isinstance(r, ast.BinOp)
+           and ast.Tuple in (type(r.left), type(r.right)) for r in returns):
+        return None
+    sizes = {len(r.elts) for r in returns if isinstance(r, ast.Tuple)}
+    return max(sizes) if sizes else 0
+
+
+# ------------------------------------------------------------------------------------------ sequence mixing
+def attention_keywords(module_type: type) -> frozenset[str]:
+    """The keyword arguments ``module_type.forward`` itself passes to transformers' attention function (the callable
+    it takes from ``ALL_ATTENTION_FUNCTIONS``, by convention ``attention_interface``), read from its source."""
+    tree = _forward_tree(module_type)
+    if tree is None:
+        return frozenset()
+    names = {"attention_interface"}
+    for node in ast.walk(tree):  # whatever name the callable is bound to
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "ALL_ATTENTION_FUNCTIONS" in ast.dump(node.value or node):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return frozenset(k.arg for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                     and n.func.id in names for k in n.keywords if k.arg is not None)
+
+
+def _state_space_kernel(module: nn.Module) -> str | None:
+    """A known kernel that mixes tokens outside the attention function: a recurrent / state-space /
+    linear-attention scan, recognised by the decay it carries per head or channel (Mamba's and the gated delta
+    rule's ``A_log`` and ``dt_bias``, RWKV's ``time_decay``, lightning attention's ``slope_rate`` and ``*_decay``
+    buffers), or a sequence compressor (``compress_rate``)."""
+    own = [name for name, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))]
+    found = [n for n in own if n in ("A_log", "dt_bias", "slope_rate") or "decay" in n.lower()]
+    if found:
+        return f"a recurrent / linear-attention / state-space scan ({', '.join(found)})"
+    rate = getattr(module, "compress_rate", None)  # DeepSeek-V4's compressors: a window of tokens -> one KV entry
+    if isinstance(rate, int) and rate > 1:
+        return f"a compression of every {rate} tokens into one key/value entry"
+    return None
+
+
+def sequence_mixers(model: nn.Module) -> list[str]:
+    """Modules in the decoder layers that mix tokens along the sequence outside transformers' AttentionInterface,
+    described as ``name (ClassName: how)``; empty for a model whose layers mix tokens only in attention.
+
+    Found from the modules themselves, not from family names: a 1-D convolution wider than one token (short
+    convolutions, the causal conv before a Mamba or linear-attention scan), and the parameters of state-space or
+    recurrent scans. A sequence split over ranks would cut these at every shard boundary.
+    """
+    found = find_layer_stack(model)
+    if found is None:
+        return []
+    stack_name, layers = found
+    mixers = []
+    for name, module in layers.named_modules(prefix=stack_name):
+        how = None
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            how = f"Conv1d over the sequence, kernel {module.kernel_size[0]}"
+        else:
+            how = _state_space_kernel(module)
+        if how is not None:
+            mixers.append(f"{name} ({type(module).__name__}: {how})")
+    return mixers

@@ -37,10 +37,13 @@ FAMILIES = {
 
 
 def tiny_config(family: str, **overrides):
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     kwargs = {**TINY, **FAMILIES.get(family, {}), **overrides}
-    config = AutoConfig.for_model(family, **kwargs)
+    # A size some configs derive and cannot take (falcon's head_dim is a read-only property of hidden / heads).
+    derived = {k for k in kwargs if isinstance(getattr(CONFIG_MAPPING[family], k, None), property)
+               and getattr(CONFIG_MAPPING[family], k).fset is None}
+    config = AutoConfig.for_model(family, **{k: v for k, v in kwargs.items() if k not in derived})
     if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= VOCAB:
         config.pad_token_id = PAD_ID  # some families default to an id of their full-size vocabulary
     return config

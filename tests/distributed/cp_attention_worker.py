@@ -5,7 +5,7 @@ Every rank builds the same global q/k/v (seeded per case) and the reference outp
 padded sequence: SDPA with an explicit boolean mask (full_mask; the test checks it equals transformers'
 masking_utils), GQA expanded; eager math for softcap, as gemma2's eager attention does it. It then takes its
 shard, runs the kernel and compares its shard of the output and of the gradients.
-Rank 0 writes {"errors": {cp: {case: [max |err| of out, dq, dk, dv, any non-finite]}}} (maxima over the
+Rank 0 writes {"errors": {cp: {case: [max |err| of out, dq, dk, dv, dsinks, any non-finite]}}} (maxima over the
 case's cp ranks), the bytes one rank sent per call and the seconds per cp.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from nd_parallel.distributed.context_parallel.attention import KVMeta, comm_stats, ring_attention, ulysses_attention
 
 B, D, SCALE, WINDOW, SOFTCAP = 2, 16, 0.3, 5, 2.0
-MASKS = ("causal", "right_pad", "left_pad", "docs", "window", "softcap", "non_causal", "docs_pad_window")
+MASKS = ("causal", "right_pad", "left_pad", "docs", "window", "softcap", "non_causal", "docs_pad_window", "sinks")
 
 
 @dataclass(frozen=True)
@@ -112,27 +112,41 @@ def _doc_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (step != 1).cumsum(-1)
 
 
-def reference(case: Case, q, k, v, weight, mask):
-    """Full-sequence output and gradients; rows that see no key are defined as 0 (and get no gradient)."""
+def sinks_for(case: Case, seed: int) -> torch.Tensor | None:
+    """gpt-oss' attention sinks: one logit per query head (drawn apart from q/k/v, which stay as without)."""
+    return torch.randn(case.hq, generator=torch.Generator().manual_seed(seed + 7)) if case.mask == "sinks" else None
+
+
+def reference(case: Case, q, k, v, weight, mask, sinks=None):
+    """Full-sequence output and gradients; rows that see no key are defined as 0 (and get no gradient). With
+    sinks, gpt-oss' eager attention: the sink logit appended to every row's scores, its column dropped after
+    the softmax."""
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    sinks = None if sinks is None else sinks.clone().requires_grad_()
     groups = case.hq // case.hkv
     kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     seen = mask.any(-1, keepdim=True)  # [b, 1, s, 1]
     safe = mask | ~seen  # SDPA would return NaN for an all-False row
-    if case.mask == "softcap":
+    if case.mask in ("softcap", "sinks"):
         s = torch.matmul(q, kk.transpose(-1, -2)) * SCALE
-        s = torch.tanh(s / SOFTCAP) * SOFTCAP
-        out = torch.matmul(s.masked_fill(~safe, float("-inf")).softmax(-1), vv)
+        if case.mask == "softcap":
+            s = torch.tanh(s / SOFTCAP) * SOFTCAP
+        s = s.masked_fill(~safe, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+        out = torch.matmul(s.softmax(-1)[..., : vv.shape[2]], vv)
     else:
         out = F.scaled_dot_product_attention(q, kk, vv, attn_mask=safe, scale=SCALE)
     out = out * seen
     (out * weight).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    dsinks = torch.zeros(0) if sinks is None else sinks.grad
+    return out.detach(), q.grad, k.grad, v.grad, dsinks
 
 
 def run_case(case: Case, cp: int, rank: int, group, seed: int) -> list[float]:
     q, k, v, weight, valid, position_ids = inputs(case, cp, seed)
-    ref = reference(case, q, k, v, weight, full_mask(case, valid, position_ids))
+    sinks = sinks_for(case, seed)
+    ref = reference(case, q, k, v, weight, full_mask(case, valid, position_ids), sinks)
     padded = valid.shape[1]
     doc = _doc_ids(position_ids) if case.mask in ("docs", "docs_pad_window") else None
     all_real = bool(valid.all())
@@ -142,13 +156,18 @@ def run_case(case: Case, cp: int, rank: int, group, seed: int) -> list[float]:
         metas.append(KVMeta(idx, None if all_real else valid[:, idx], None if doc is None else doc[:, idx]))
     idx = metas[rank].index
     ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    sl = None if sinks is None else sinks.clone().requires_grad_()
     kernel = ring_attention if case.backend == "ring" else ulysses_attention
     out = kernel(ql, kl, vl, group, metas, scale=SCALE, causal=case.mask != "non_causal",
                  sliding_window=WINDOW if case.mask in ("window", "docs_pad_window") else None,
-                 softcap=SOFTCAP if case.mask == "softcap" else None, kernel=case.kernel)
+                 softcap=SOFTCAP if case.mask == "softcap" else None, kernel=case.kernel, sinks=sl)
     (out * weight[:, :, idx]).sum().backward()
     mine = (out.detach(), ql.grad, kl.grad, vl.grad)
-    errs = torch.tensor([float((a - b[:, :, idx]).abs().max()) for a, b in zip(mine, ref)], dtype=torch.float64)
+    errs = [float((a - b[:, :, idx]).abs().max()) for a, b in zip(mine, ref)]
+    dsinks = torch.zeros(0) if sl is None else sl.grad.clone()
+    dist.all_reduce(dsinks, group=group)  # each rank's share: its query rows (ring) or its heads (Ulysses)
+    errs.append(float((dsinks - ref[4]).abs().max()) if dsinks.numel() else 0.0)
+    errs = torch.tensor(errs, dtype=torch.float64)
     bad = torch.tensor([float(not all(torch.isfinite(t).all() for t in mine))], dtype=torch.float64)
     errs = torch.cat([errs, bad])
     dist.all_reduce(errs, op=dist.ReduceOp.MAX, group=group)

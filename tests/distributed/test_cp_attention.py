@@ -4,8 +4,9 @@ One torchrun launch of 4 ranks (cp_attention_worker.py) runs every case twice ov
 groups {0, 2} and {1, 3}, then cp=4. Ring with the math kernel runs the full product (GQA | MHA) x (length
 dividing 2*cp | not, padded) x (load-balanced | contiguous shards) x mask (causal, right padding, left
 padding with query rows that see nothing, packed documents, sliding window, softcap, non-causal, documents +
-padding + window); the flash_cpu kernel and Ulysses run the parts of it they change (worker.cases). Output and
-dQ/dK/dV are compared with full-sequence SDPA in fp32, atol 1e-5.
+padding + window, gpt-oss' attention sinks); the flash_cpu kernel and Ulysses run the parts of it they change
+(worker.cases). Output and dQ/dK/dV (and d sinks) are compared with full-sequence SDPA (eager math for softcap and
+sinks) in fp32, atol 1e-5.
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ def run(tmp_path_factory):
 def test_kernels_match_full_sdpa(run, cp):
     errors = run["errors"][str(cp)]
     assert sorted(errors) == sorted(c.name for c in worker.cases(cp))  # every case ran
-    worst = defaultdict(lambda: [0.0] * 4)  # (backend, kernel, mask) -> max error of out, dq, dk, dv
+    worst = defaultdict(lambda: [0.0] * 5)  # (backend, kernel, mask) -> max error of out, dq, dk, dv, dsinks
     for name, (*errs, non_finite) in errors.items():
         backend, kernel, *_, mask = name.split("/")
         worst[backend, kernel, mask] = [max(a, b) for a, b in zip(worst[backend, kernel, mask], errs)]
     print(f"\ncp={cp}: {len(errors)} cases in {run['seconds'][str(cp)]:.1f}s (launch {run['launch_s']:.0f}s); "
-          "max |error| of out / dq / dk / dv")
+          "max |error| of out / dq / dk / dv / dsinks")
     for key, errs in sorted(worst.items()):
         print(f"  {'/'.join(key):32s} " + "  ".join(f"{e:.1e}" for e in errs))
-    bad = {name: e for name, e in errors.items() if max(e[:4]) > ATOL or e[4]}
+    bad = {name: e for name, e in errors.items() if max(e[:5]) > ATOL or e[5]}
     assert not bad, f"{len(bad)} cases off by more than {ATOL} (or not finite): {bad}"
 
 

@@ -163,6 +163,28 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     lse.copy_(new)
 
 
+def merge_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """In place: add an attention sink per head (gpt-oss' ``s_aux``) to the softmax of every query row.
+
+    transformers appends the sink logit to each row's scores and drops its column after the softmax: a key of
+    logit ``sinks[h]`` and value 0. So it only enlarges the normaliser: lse' = logaddexp(lse, sink), and the output
+    shrinks by exp(lse - lse'). Done once per row, on the rank that holds the query, after every key block."""
+    sink = sinks.float().view(1, -1, 1)
+    new = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks[h] for the local query rows: -sum over rows of P_sink * rowsum(dO * O), with P_sink =
+    exp(sink - lse) and out, lse the final (sink-merged) ones. A row's output is sum_j P_j v_j and every P_j
+    scales by (1 - ...) as the sink grows: dO/dsink = -P_sink * O. The per-rank partial sums add up over the
+    cp ranks like every other replicated parameter's gradient."""
+    delta = (dout.float() * out.float()).sum(-1)  # [b, h, s]
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
 def backward_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse for recomputing P = exp(s - lse): +inf on rows that saw no key, so their P is 0 (not exp(nan))."""
     return torch.where(lse == NEG_INF, float("inf"), lse)

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from nd_parallel.models.hf import text_config
+from nd_parallel.models.hf import attention_keywords, find_layer_stack, sequence_mixers, text_config
 
 from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index, unshard
 
@@ -74,7 +75,7 @@ def active(runtime: CPRuntime):
 
 
 def cp_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                         softcap=None, nd_cp_valid=None, nd_cp_doc=None, **kwargs):
+                         softcap=None, nd_cp_valid=None, nd_cp_doc=None, s_aux=None, **kwargs):
     """transformers attention-function signature; q/k/v are (B, H, S_local, D), returns (B, S_local, H, D)."""
     runtime = _ACTIVE.get()
     if runtime is None or nd_cp_valid is None:
@@ -98,7 +99,11 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
+    sinks = s_aux.to_local() if isinstance(s_aux, DTensor) else s_aux  # TP: this rank's heads' sinks
     if runtime.backend == "torch":
+        if sinks is not None:
+            raise NotImplementedError(f"{type(module).__name__} has attention sinks (s_aux), which torch's context "
+                                      "parallel SDPA cannot add to its softmax; use cp_backend='ring' or 'ulysses'")
         out = torch_cp_attention(runtime, query, key, value, scale=scale, causal=causal)
         return out.transpose(1, 2).contiguous(), None
     kernel = ulysses_attention if runtime.backend == "ulysses" else ring_attention
@@ -109,7 +114,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, scaling=None
     # communication included, on every cp rank alike (activation_checkpoint.py).
     with _no_dispatch_modes():
         out = kernel(query, key, value, runtime.group, runtime.metas(nd_cp_valid, nd_cp_doc), scale=scale,
-                     causal=causal, sliding_window=sliding_window, softcap=softcap)
+                     causal=causal, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -171,12 +176,17 @@ def check_model(model: nn.Module, config, device_type: str) -> None:
             "cp_backend='ring' (default) or 'ulysses', which run everywhere"
         )
     if config.cp_backend == "torch":
+        if any("s_aux" in keywords for keywords in _attention_inputs(model).values()):
+            raise NotImplementedError(
+                f"{name} has attention sinks (s_aux), which cp_backend='torch' (plain causal SDPA) cannot add to its "
+                "softmax; use cp_backend='ring' or 'ulysses'")
         text = text_config(model)
         if getattr(text, "attn_logit_softcapping", None) or getattr(text, "sliding_window", None):
             raise NotImplementedError(
                 f"{name} uses soft-capping or sliding-window attention, which cp_backend='torch' (plain causal SDPA) "
                 "cannot express; use cp_backend='ring'"
             )
+    check_sequence_mixing(model)  # first: a hybrid's own attention code is not the reason to give
     if not getattr(model, "_supports_attention_backend", False):
         raise NotImplementedError(
             f"{name} computes attention in its own code instead of dispatching through transformers' "
@@ -206,6 +216,42 @@ def check_model(model: nn.Module, config, device_type: str) -> None:
         if heads % config.tp_size or kv_heads % config.tp_size:
             return  # tensor_parallel.check_divisibility reports this one
         check_ulysses_heads(heads // config.tp_size, kv_heads // config.tp_size, config.cp_size)
+
+
+# What the kernels honour of the keywords an attention layer passes to the attention function: the mask
+# (refused: masks come from global positions), dropout (refused unless 0), scaling, the causal flag, sliding
+# windows, soft-capping, attention sinks (s_aux), and position_ids / output_attentions (no effect on the math).
+HANDLED_KEYWORDS = frozenset({"attention_mask", "dropout", "scaling", "is_causal", "sliding_window", "softcap",
+                              "s_aux", "position_ids", "output_attentions", "query", "key", "value"})
+
+
+def check_sequence_mixing(model: nn.Module) -> None:
+    """Refuse, naming the module, a model whose layers mix tokens where the context-parallel attention does not
+    see it: a convolution or scan along the sequence (models.hf.sequence_mixers), or an attention call carrying
+    an input the kernels do not apply (an additive position bias, sparse-attention indices, ...). Splitting the
+    sequence would silently change either."""
+    name = type(model).__name__
+    mixers = sequence_mixers(model)
+    if mixers:
+        more = f" (and {len(mixers) - 1} more)" if len(mixers) > 1 else ""
+        raise NotImplementedError(
+            f"{name} mixes tokens along the sequence outside attention: {mixers[0]}{more}. Context parallelism "
+            "splits the sequence over the cp ranks and would cut that mixing at every shard boundary, so it is "
+            "refused for this model; use cp_size=1 (tp_size / pp_size / dp_shard_size split it instead)")
+    for kind, keywords in _attention_inputs(model).items():
+        unknown = sorted(keywords - HANDLED_KEYWORDS)
+        if unknown:
+            raise NotImplementedError(
+                f"{kind} passes {unknown} to its attention function, which the context-parallel "
+                f"kernels do not apply (they implement masks, windows, soft-capping and sinks); use cp_size=1 for "
+                f"{name}")
+
+
+def _attention_inputs(model: nn.Module) -> dict[str, frozenset[str]]:
+    """Class name -> the keywords it passes to the attention function, for every module of the layer stack."""
+    found = find_layer_stack(model)
+    modules = [] if found is None else found[1].modules()
+    return {type(m).__name__: attention_keywords(type(m)) for m in modules if attention_keywords(type(m))}
 
 
 def use_cp_attention(model: nn.Module) -> None:

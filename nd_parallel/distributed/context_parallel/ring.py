@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .blocks import KVMeta, backward_lse, check_mask_args, merge, pick_kernel, plan_blocks
+from .blocks import KVMeta, backward_lse, check_mask_args, merge, merge_sink, pick_kernel, plan_blocks, sink_grad
 
 TAG_KV, TAG_DKV = 0, 1  # gloo matches point-to-point messages by tag; NCCL keeps per-pair order
 
@@ -71,7 +71,7 @@ def _group_layout(group) -> tuple[int, int]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, metas, scale, causal, sliding_window, softcap, kernel):
+    def forward(ctx, q, k, v, group, metas, scale, causal, sliding_window, softcap, kernel, sinks):
         cp, rank = _group_layout(group)
         block_fwd, _ = pick_kernel(kernel, q.device, softcap)
         b, hq, s, d = q.shape
@@ -96,15 +96,17 @@ class _RingAttention(torch.autograd.Function):
             comm_stats.compute_s += time.thread_time() - t0
             _wait(works)
             kv = recv if recv is not None else kv
+        if sinks is not None:
+            merge_sink(out, lse, sinks)
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.group, ctx.metas, ctx.scale, ctx.causal = group, metas, scale, causal
         ctx.sliding_window, ctx.softcap, ctx.kernel = sliding_window, softcap, kernel
         return result
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, metas, scale, softcap = ctx.group, ctx.metas, ctx.scale, ctx.softcap
         cp, rank = _group_layout(group)
         _, block_bwd = pick_kernel(ctx.kernel, q.device, softcap)
@@ -142,7 +144,11 @@ class _RingAttention(torch.autograd.Function):
         if cp > 1:
             _wait(dkv_works)
             dkv = dkv_recv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        # The lse and output saved are the sink-merged ones, so the blocks' dQ/dK/dV above already see the sink's
+        # share of every row's softmax; only the sink's own gradient is left.
+        dsinks = None if sinks is None else sink_grad(dof, outf, lse, sinks).to(sinks.dtype)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None,
+                dsinks)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metas: list[KVMeta], cp: int) -> None:
@@ -163,23 +169,31 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metas: list[
 
 def ring_attention(q, k, v, group, metas: list[KVMeta], *, scale: float, causal: bool = True,
                    sliding_window: int | None = None, softcap: float | None = None,
-                   kernel: str = "auto") -> torch.Tensor:
+                   kernel: str = "auto", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence held by the cp ``group``.
 
     q (B, Hq, S_local, D), k/v (B, Hkv, S_local, D) in transformers' layout; ``metas[r]`` describes group rank
     r's shard. Returns (B, Hq, S_local, D) in q's dtype. ``kernel``: 'auto' (CPU flash kernel on CPU without
     softcap, else 'math'), 'math' or 'flash_cpu'. ``group=None`` means a single shard (see local_attention).
     Key j is visible from query i iff valid[j], same doc, index_j <= index_i (causal) and
-    index_i - index_j < sliding_window: transformers' masking_utils rules on global positions."""
+    index_i - index_j < sliding_window: transformers' masking_utils rules on global positions. ``sinks`` (Hq,):
+    one attention-sink logit per query head, as gpt-oss' ``s_aux`` (blocks.merge_sink)."""
     cp, _ = _group_layout(group)
     check_inputs(q, k, v, metas, cp)
     check_mask_args(causal, sliding_window)
+    check_sinks(sinks, q.shape[1])
     metas = [m.to(q.device) for m in metas]  # masks are built next to the scores (no-op when already there)
-    return _RingAttention.apply(q, k, v, group, metas, scale, causal, sliding_window, softcap, kernel)
+    return _RingAttention.apply(q, k, v, group, metas, scale, causal, sliding_window, softcap, kernel, sinks)
+
+
+def check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} for {heads} query heads: give one sink "
+                         "logit per query head this rank computes, shape (Hq,)")
 
 
 def local_attention(q, k, v, meta: KVMeta, *, scale: float, causal: bool = True, sliding_window: int | None = None,
-                    softcap: float | None = None, kernel: str = "auto") -> torch.Tensor:
+                    softcap: float | None = None, kernel: str = "auto", sinks=None) -> torch.Tensor:
     """The same exact, masked attention on one process (the whole sequence is local): Ulysses' inner step."""
     return ring_attention(q, k, v, None, [meta], scale=scale, causal=causal, sliding_window=sliding_window,
-                          softcap=softcap, kernel=kernel)
+                          softcap=softcap, kernel=kernel, sinks=sinks)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .blocks import KVMeta, check_mask_args, concat_metas
-from .ring import check_inputs, comm_stats, local_attention
+from .ring import check_inputs, check_sinks, comm_stats, local_attention
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp: int) -> None:
@@ -71,14 +71,18 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 def ulysses_attention(q, k, v, group, metas: list[KVMeta], *, scale: float, causal: bool = True,
                       sliding_window: int | None = None, softcap: float | None = None,
-                      kernel: str = "auto") -> torch.Tensor:
+                      kernel: str = "auto", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ring_attention; needs Hq and Hkv divisible by the cp group size."""
     cp = dist.get_world_size(group)
     check_inputs(q, k, v, metas, cp)
     check_ulysses_heads(q.shape[1], k.shape[1], cp)
     check_mask_args(causal, sliding_window)
+    check_sinks(sinks, q.shape[1])
     q_h = _seq_to_heads(q.unsqueeze(0), group, cp)[0]  # [b, hq/cp, S, d]
     k_h, v_h = _seq_to_heads(torch.stack([k, v]), group, cp)  # one message for K and V
+    if sinks is not None:  # this rank now holds query heads [r * Hq/cp, (r+1) * Hq/cp): their sinks
+        per_rank = q.shape[1] // cp
+        sinks = sinks[dist.get_rank(group) * per_rank:(dist.get_rank(group) + 1) * per_rank]
     out_h = local_attention(q_h, k_h, v_h, concat_metas(metas), scale=scale, causal=causal,
-                            sliding_window=sliding_window, softcap=softcap, kernel=kernel)
+                            sliding_window=sliding_window, softcap=softcap, kernel=kernel, sinks=sinks)
     return _heads_to_seq(out_h, group, cp)

@@ -18,7 +18,7 @@ from nd_parallel.models.hf import embedding_and_head, model_parts, shares_embedd
 from .balance import layer_counts
 from .schedules import SCHEDULES, check_microbatches
 from .split import split_stages, stage_ids_for_rank
-from .stage import make_stage_module
+from .stage import check_stand_ins, make_stage_module
 from .torch_backend import PipelineLoss, PipelineModel
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ def validate_pipeline(model: nn.Module, config) -> None:
         from .deepspeed_backend import check_model  # optional dependency: imported on use
 
         check_model(model)
+    else:
+        check_stand_ins(model, parts)
 
 
 @dataclass

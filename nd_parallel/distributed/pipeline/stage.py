@@ -16,15 +16,23 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from nd_parallel.models.hf import ModelParts
+from nd_parallel.models.hf import ModelParts, UnsplittableModel, output_arity
 
 from .split import StageSpec
 
 
 class PassThrough(nn.Module):
-    """Stands in for a decoder layer that another stage owns: hands its hidden states on untouched."""
+    """Stands in for a decoder layer that another stage owns: hands its hidden states on untouched, in the shape
+    the real layer returns them (a bare tensor, or first of an n-tuple for families whose loop reads
+    ``outputs[0]``; ``hf.output_arity``)."""
+
+    def __init__(self, arity: int = 0):
+        super().__init__()
+        self.arity = arity
 
     def forward(self, hidden_states, *args, **kwargs):
+        if self.arity:
+            return (hidden_states, *([None] * (self.arity - 1)))
         return hidden_states
 
 
@@ -32,7 +40,8 @@ class ZeroStandIn(nn.Module):
     """Stands in for an input module another stage owns (e.g. GPT-2's position embedding).
 
     Later stages replace the first layer's input anyway; a 0-d zero keeps whatever the model adds it to
-    (``inputs_embeds + wpe(position_ids)``) well-formed without knowing the module's output shape.
+    (``inputs_embeds + wpe(position_ids)``) well-formed without knowing the module's output shape. A module fed
+    activations (BLOOM's norm over the embeddings) gets zeros of their shape instead, which the model may unpack.
     """
 
     def __init__(self, dtype: torch.dtype):
@@ -40,8 +49,21 @@ class ZeroStandIn(nn.Module):
         self.dtype = dtype
 
     def forward(self, *args, **kwargs):
-        device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        return torch.zeros((), dtype=self.dtype, device=device)
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.is_floating_point():
+            return torch.zeros_like(first, dtype=self.dtype)
+        return torch.zeros((), dtype=self.dtype, device=None if first is None else first.device)
+
+
+def check_stand_ins(model: nn.Module, parts: ModelParts) -> None:
+    """Refuse, before any collective, a model whose decoder layers return a tuple built at run time: a stage's
+    stand-in for a layer it does not own could not return the same thing, and the model's loop would read a
+    wrong value or crash."""
+    for layer in {type(m): m for m in model.get_submodule(parts.layers_fqn)}.values():
+        if output_arity(layer) is None:
+            raise UnsplittableModel(
+                f"{type(layer).__name__}.forward returns a tuple whose length is decided at run time, so a pipeline "
+                f"stage cannot stand in for the layers it does not own; use pp_size=1 for {type(model).__name__}")
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -78,7 +100,7 @@ def build_skeleton(model: nn.Module, parts: ModelParts, spec: StageSpec, num_sta
     layers = _copy_path(skeleton, parts.layers_fqn + ".x")  # the ModuleList itself, privately copied
     for i in range(parts.num_layers):
         if i not in owned:
-            layers._modules[str(i)] = PassThrough()
+            layers._modules[str(i)] = PassThrough(output_arity(layers[i]))
     if spec.index != 0:
         dtype = next(model.parameters()).dtype
         for fqn in parts.pre:

@@ -1,0 +1,136 @@
+"""Context parallelism refuses, before any collective, a model that mixes tokens where its attention kernels do not
+see it, naming the module; found from the model's modules, not from family names. And gpt-oss' attention sinks
+(which CP does apply) match transformers' own attention in one process."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nd_parallel import ParallelismConfig
+from nd_parallel.distributed.context_parallel import check_model
+from nd_parallel.distributed.context_parallel.attention import KVMeta, local_attention
+from nd_parallel.models.hf import sequence_mixers
+from nd_parallel.testing.models import tiny_config
+
+CP2 = ParallelismConfig(cp_size=2)
+
+
+def build(model_type: str, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+
+
+@pytest.mark.parametrize("model_type,overrides,module,how", [
+    ("lfm2", dict(layer_types=["conv", "full_attention"]), "model.layers.0.conv.conv", "Conv1d over the sequence"),
+    ("qwen3_next", {}, "model.layers.0.linear_attn", "state-space scan"),
+    ("jamba", {}, "model.layers.0.mamba", "state-space scan"),
+    ("falcon_h1", {}, "model.layers.0.mamba", "state-space scan"),
+    ("bamba", {}, "model.layers.0.mamba", "state-space scan"),
+    ("minimax", {}, "model.layers.1.self_attn", "state-space scan"),
+    ("recurrent_gemma", {}, "model.layers.0.temporal_block", ""),
+])
+def test_token_mixing_outside_attention_is_refused_naming_the_module(model_type, overrides, module, how):
+    model = build(model_type, **overrides)
+    with pytest.raises(NotImplementedError, match=r"mixes tokens along the sequence outside attention: "
+                                                  rf"{module}\S* \(\w+: [^)]*{how}.*use cp_size=1"):
+        check_model(model, CP2, "cpu")
+
+
+def test_a_new_family_with_a_convolution_is_refused():
+    """No family name anywhere: a llama whose layers gained a depthwise causal convolution (a family transformers
+    does not have) is refused the same way."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    class ConvMixer(nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.conv = nn.Conv1d(width, width, kernel_size=3, groups=width, padding=2)
+
+        def forward(self, x):
+            return self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+    class ConvLayer(LlamaDecoderLayer):
+        def __init__(self, config, layer_idx):
+            super().__init__(config, layer_idx)
+            self.token_mixer = ConvMixer(config.hidden_size)
+
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states + self.token_mixer(hidden_states), *args, **kwargs)
+
+    model = build("llama")
+    model.model.layers = nn.ModuleList(ConvLayer(model.config, i) for i in range(len(model.model.layers)))
+    assert check_model(build("llama"), CP2, "cpu") is None  # the plain family passes
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.token_mixer.conv \(Conv1d: Conv1d over the "
+                                                  r"sequence, kernel 3\) \(and 1 more\)"):
+        check_model(model, CP2, "cpu")
+
+
+def test_pointwise_convolutions_and_plain_attention_mix_nothing():
+    """GPT-2's Conv1D is a linear layer, and a kernel-1 Conv1d sees one token: neither is reported."""
+    assert sequence_mixers(build("gpt2")) == []
+    assert sequence_mixers(build("llama")) == []
+    model = build("llama")
+    model.model.layers[0].mlp.pointwise = nn.Conv1d(8, 8, kernel_size=1)
+    assert sequence_mixers(model) == []
+
+
+@pytest.mark.parametrize("model_type,keyword", [("deepseek_v32", "indices"), ("glm_moe_dsa", "indices")])
+def test_attention_inputs_the_kernels_do_not_apply_are_refused(model_type, keyword):
+    """Sparse attention hands the attention function the key indices each query may see; the CP kernels would
+    silently attend to every key."""
+    with pytest.raises(NotImplementedError, match=rf"passes \['{keyword}'\] to its attention function"):
+        check_model(build(model_type), CP2, "cpu")
+
+
+@pytest.mark.parametrize("kernel", ["math", "flash_cpu"])
+def test_sinks_match_gpt_oss_eager_attention(kernel):
+    """The sink logit enters every row's softmax as transformers' gpt-oss eager attention puts it there: output
+    and the gradients of q, k, v and the sinks, with a sliding window."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 16, requires_grad=True) for _ in range(2))
+    holder = nn.Module()
+    holder.sinks, holder.num_key_value_groups = nn.Parameter(torch.randn(4)), 2
+    i = torch.arange(12)
+    visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 5)
+    mask = torch.zeros(12, 12).masked_fill(~visible, float("-inf"))[None, None]
+    ref, _ = eager_attention_forward(holder, q, k, v, mask, scaling=0.25)
+    weight = torch.randn_like(ref)
+    expected = torch.autograd.grad((ref * weight).sum(), (q, k, v, holder.sinks))
+    sinks = holder.sinks.detach().clone().requires_grad_()
+    out = local_attention(q, k, v, KVMeta(i), scale=0.25, sliding_window=5, sinks=sinks, kernel=kernel)
+    got = torch.autograd.grad((out.transpose(1, 2) * weight).sum(), (q, k, v, sinks))
+    torch.testing.assert_close(out.transpose(1, 2), ref, rtol=0, atol=1e-5)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    q = k = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"sinks of shape \(2,\) for 4 query heads"):
+        local_attention(q, k[:, :2], k[:, :2], KVMeta(torch.arange(8)), scale=1.0, sinks=torch.zeros(2))
+
+
+def test_sinks_are_applied_by_ring_and_ulysses_and_refused_by_torchs_sdpa():
+    """gpt-oss passes its sinks (s_aux) to the attention function: the ring and Ulysses add them to the softmax;
+    torch's context-parallel SDPA cannot, and is refused up front rather than when the first forward runs."""
+    model = build("gpt_oss", num_local_experts=4, num_experts_per_tok=2)
+    for backend in ("ring", "ulysses"):
+        assert check_model(model, ParallelismConfig(cp_size=2, cp_backend=backend), "cpu") is None
+    with pytest.raises(NotImplementedError, match=r"GptOssForCausalLM has attention sinks \(s_aux\), which "
+                                                  r"cp_backend='torch'.*use cp_backend='ring' or 'ulysses'"):
+        check_model(model, ParallelismConfig(cp_size=2, cp_backend="torch"), "cuda")
+
+
+def test_the_orchestrators_checks_refuse_it_before_the_mesh():
+    """parallelize.check_model (step 1, no process group exists here) is where the refusal happens in prepare."""
+    from nd_parallel.distributed.parallelize import check_model as check_layout
+
+    model = build("lfm2", layer_types=["full_attention", "conv"])
+    with pytest.raises(NotImplementedError, match=r"model.layers.1.conv.conv \(Conv1d: Conv1d over the sequence"):
+        check_layout(model, CP2, "cpu")
+    assert check_layout(model, ParallelismConfig(pp_size=2), "cpu") is None  # only CP is refused
