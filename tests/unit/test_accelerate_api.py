@@ -206,8 +206,12 @@ from accelerate import Accelerator
 from accelerate.parallelism_config import ParallelismConfig as Theirs
 from nd_parallel import ParallelismConfig
 from nd_parallel.accelerate.from_config import use_for_accelerate_configs
+import os
+os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"  # the launcher's default
 acc = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
 assert acc.nd_parallel.config == acc.parallelism_config and acc.torch_device_mesh is None
+# off before the script's from_pretrained, so that every rank reads the checkpoint (launch_keys.py says why)
+assert os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] == "false"
 t = torch.arange(4.0)
 with acc.maybe_context_parallel(buffers=[t], buffer_seq_dims=[0], no_restore_buffers={t}):
     pass
