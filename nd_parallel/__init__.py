@@ -18,11 +18,15 @@ __all__ = ["ParallelismConfig", "NDParallelPlugin", "__version__"]
 # Both run before the script's from_pretrained in Accelerate's examples (Accelerator() builds the mesh, then
 # attaches): adopt_launcher_env turns the launcher's FSDP_CPU_RAM_EFFICIENT_LOADING off there, so from_pretrained
 # gives every rank the checkpoint's weights, which nd_parallel's prepare expects (it broadcasts none).
+# The mesh is built again when the Trainer (Accelerator(), get_device_mesh) asks for it after overwriting the sizes
+# for a model transformers sharded at load: undo_trainer_overwrite restores the layout the first mesh was built for.
 def _build_device_mesh(config, device_type):
+    from .accelerate.from_config import undo_trainer_overwrite
     from .accelerate.launcher_env import adopt_launcher_env
     from .distributed.device_mesh import build_device_mesh
 
     adopt_launcher_env()
+    undo_trainer_overwrite(config)
     return build_device_mesh(config, device_type)
 
 

@@ -4,15 +4,15 @@
 Our copies of Accelerate's two example scripts (examples/accelerate_nd_parallel/: the plain loop and the Trainer
 script) run under FSDP2, TP2, CP2 and PP2 in one ``accelerate launch`` on 2 CPU ranks (configs/fsdp2.yaml: its
 parallelism_config and fsdp_config keys, activation checkpointing on, cpu_ram_efficient_loading at the launcher's
-default). FSDP2xTP2 on 4 ranks is left out: 4 ranks on this 2-core machine cost minutes of the suite's budget.
-Each script runs unchanged; the rows after the first get their layout the way the scripts
-read it: the loop from its command line (pp from PARALLELISM_CONFIG_PP_SIZE, which Accelerate's script has no flag
-for), the Trainer script from PARALLELISM_CONFIG_* (a launch file's section). The references are the same scripts in
-one process on the layout's global batch. Compared: the loop's loss every step and the Trainer's logged loss and grad
-norm every step (rtol 1e-5), and the saved weights at the end (atol 1e-5). The loop's TP rows load the model with
-``from_pretrained(tp_plan="auto", device_mesh=accelerator.torch_device_mesh)`` and the Trainer script's with
-``device_mesh=pc.build_device_mesh(...)`` and ``TrainingArguments(parallelism_config=pc)``: transformers shards it at
-load and nd_parallel gathers it back and applies its own plan.
+default), and under FSDP2xTP2 in one on 4 ranks (configs/fsdp2_tp2.yaml). Each script runs unchanged; the rows after
+the first get their layout the way the scripts read it: the loop from its command line (pp from
+PARALLELISM_CONFIG_PP_SIZE, which Accelerate's script has no flag for), the Trainer script from PARALLELISM_CONFIG_*
+(a launch file's section). The references are the same scripts in one process on the layout's global batch.
+Compared: the loop's loss every step and the Trainer's logged loss and grad norm every step (rtol 1e-5), and the
+saved weights at the end (atol 1e-5). The loop's TP rows load the model with ``from_pretrained(tp_plan="auto",
+device_mesh=accelerator.torch_device_mesh)`` and the Trainer script's with ``device_mesh=pc.build_device_mesh(...)``
+and ``TrainingArguments(parallelism_config=pc)``: transformers shards it at load and nd_parallel gathers it back and
+applies its own plan.
 
 What CPU, gloo and exact comparison force, beyond the import (listed in the scripts' docstrings too):
   - ACCELERATE_USE_CPU=true: accelerate's multi-process launcher does not tell CPU ranks to use the CPU;
@@ -22,6 +22,8 @@ What CPU, gloo and exact comparison force, beyond the import (listed in the scri
   - --device-type cpu for the Trainer script: torch.accelerator names no device on a CPU machine;
   - pp_microbatches=1 and pp_schedule="gpipe" for PP2: the scripts' batch is one sample per rank, and 1F1B needs
     at least pp_size micro-batches;
+  - FSDP2xTP2 loop: --tp-without-size, since transformers 5.24 ignores device_mesh and refuses a tp_size below the
+    world size (it then shards over all 4 ranks; nd_parallel gathers that back);
   - the loop saves with accelerator.save_model (a pipeline stage has no save_pretrained).
 """
 
@@ -73,6 +75,10 @@ LAUNCHES = {
         ("loop_pp2", LOOP, [], {"PARALLELISM_CONFIG_PP_SIZE": "2", **PP_ONE_SAMPLE,
                                 "PARALLELISM_CONFIG_CP_COMM_STRATEGY": None}, 1),
         ("trainer_pp2", TRAINER, [], _layout(pp_size=2), 1),
+    ]),
+    "4r": ("fsdp2_tp2.yaml", 4, [
+        ("loop_fsdp2_tp2", LOOP, ["--dp-shard-size", "2", "--tp-size", "2", "--tp-without-size"], {}, 2),
+        ("trainer_fsdp2_tp2", TRAINER, [], {}, 2),
     ]),
 }
 ROWS = [(launch, row) for launch, (_, _, rows) in LAUNCHES.items() for row, *_ in rows]
@@ -165,5 +171,5 @@ def test_the_loop_sees_accelerates_attributes(launched):
     fsdp2 = json.loads((launched("2r") / "trainer_fsdp2" / "log.json").read_text())
     assert "activation_checkpointing=full" in fsdp2["config"]  # fsdp_activation_checkpointing: true took effect
     # TrainingArguments(parallelism_config=ours), no callback: Accelerator() found the Trainer building it
-    assert all(json.loads((launched("2r") / row / "log.json").read_text())["adopted"]
-               for _, (_, _, rows) in LAUNCHES.items() for row, script, *_ in rows if script == TRAINER)
+    assert all(json.loads((launched(launch) / row / "log.json").read_text())["adopted"]
+               for launch, (_, _, rows) in LAUNCHES.items() for row, script, *_ in rows if script == TRAINER)
