@@ -10,6 +10,7 @@ Accelerate loop trains under any layout. The plugin only routes: the model is la
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -31,8 +32,9 @@ from nd_parallel.distributed.precision import policy_for
 from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
-from . import evaluation
+from . import accelerate_config, evaluation
 from .checks import check_accelerator, check_fresh_optimizer, check_layout
+from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
 logger = logging.getLogger("nd_parallel")
@@ -40,7 +42,7 @@ logger = logging.getLogger("nd_parallel")
 # Accelerator methods the plugin replaces on the instance it is attached to (attach keeps the originals).
 ROUTED = ("prepare", "prepare_model", "prepare_optimizer", "prepare_data_loader", "prepare_scheduler", "backward",
           "clip_grad_norm_", "get_state_dict", "gather", "gather_for_metrics", "save_state", "load_state",
-          "save_model", "skip_first_batches")
+          "save_model", "skip_first_batches", "maybe_context_parallel")
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -66,6 +68,7 @@ class NDParallelPlugin:
         self._models: list[nn.Module] = []
         self.mp_policy = None  # FSDP2 MixedPrecisionPolicy for the accelerator's mixed_precision (precision.py)
         self.loading_report = None  # what this rank read at prepare() for a model from from_pretrained
+        self._expose = False  # attach(expose=...): the layout shown as accelerator.parallelism_config
 
     @classmethod
     def from_env(cls, environ=None) -> NDParallelPlugin:
@@ -78,11 +81,19 @@ class NDParallelPlugin:
         return cls(ParallelismConfig.from_env(environ))
 
     # ------------------------------------------------------------------ attach
-    def attach(self, accelerator) -> NDParallelPlugin:
-        """Validate the layout against the accelerator (no collective yet) and take over its calls."""
+    def attach(self, accelerator, expose: bool = True) -> NDParallelPlugin:
+        """Validate the layout against the accelerator (no collective yet) and take over its calls.
+
+        ``expose``: show the layout as ``accelerator.parallelism_config`` / ``torch_device_mesh`` (Accelerate's
+        attributes; the mesh once it is built). The Trainer integration passes False: the Trainer and TRL turn
+        Accelerate's own tp / cp arithmetic on when they see one (plugins/trainer/adopt.py)."""
         check_accelerator(accelerator, launched_world_size())
-        self.config = self.config.resolve(accelerator.num_processes)
+        given = self.config
+        accelerate_config.refuse_two_layouts(accelerator, given)
+        self.config = apply_fsdp_keys(given.resolve(accelerator.num_processes))  # the launch file's fsdp_config
         check_layout(accelerator, self.config)
+        self._expose = expose or getattr(accelerator, "parallelism_config", None) is not None
+        self._mesh = accelerate_config.mesh_built_for(given, self.config)
         self.mp_policy = policy_for(accelerator.mixed_precision)
         self.accelerator = accelerator
         _setup_logging(accelerator.is_main_process)
@@ -93,6 +104,9 @@ class NDParallelPlugin:
         distributed = dist.is_initialized() and accelerator.num_processes > 1
         # watchdog, non-finite guard, signals, exit order (fault/)
         self.fault = FaultTolerance(self.config, accelerator.device, distributed, self.train_state)
+        if self._mesh is not None:
+            self.fault.on_mesh(self._mesh)
+        accelerate_config.show(accelerator, self.config, self._mesh, self._expose)
         logger.info("attached: %s", self.config.describe())
         return self
 
@@ -103,6 +117,7 @@ class NDParallelPlugin:
             self._require_attached()
             self._mesh = build_mesh(self.config, self.accelerator.device.type)
             self.fault.on_mesh(self._mesh)
+            accelerate_config.show(self.accelerator, self.config, self._mesh, self._expose)
         return self._mesh
 
     def _require_attached(self) -> None:
@@ -127,6 +142,7 @@ class NDParallelPlugin:
         for obj in objects:  # every check before the first collective
             if isinstance(obj, nn.Module):
                 check_model(obj, self.config, self.accelerator.device.type)
+                check_wrap_class(obj)  # the launch file's fsdp_transformer_layer_cls_to_wrap
             elif isinstance(obj, DataLoader):
                 check_batch_size(obj, self.config, self.accelerator.split_batches)
             elif isinstance(obj, torch.optim.Optimizer):
@@ -265,6 +281,12 @@ class NDParallelPlugin:
                 f"skip_first_batches(num_batches={num_batches}): accelerator.load_state already positioned this "
                 "dataloader where the saved run stopped; iterate it directly (skipping as well would skip twice)")
         return self._originals["skip_first_batches"](dataloader, num_batches=num_batches)
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
+        """Accelerate's CP context: a no-op here. nd_parallel's CP cuts each batch inside the prepared model
+        (``distributed/context_parallel``), so the buffers stay whole, as the loop built them."""
+        yield
 
     def preemption_requested(self) -> bool:
         """With ``save_on_signal``: True on every rank, after the same optimizer step, once any rank got SIGTERM or

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import sources
+from .accelerate_api import AccelerateAPI
 from .activation_checkpointing import ActivationCheckpointingOptions
 from .checkpoint import CheckpointOptions
 from .checks import ConfigError
@@ -26,10 +27,12 @@ from .tensor_parallel import TensorParallelOptions
 
 
 # Fields are collected from the bases last to first, so this list, read backwards, is the field order (and the order
-# asdict, to_dict and describe follow): the layout first, the checkpoint option last.
+# asdict, to_dict and describe follow): the layout first, the checkpoint option, then Accelerate's own fields last.
+# Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
+@sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(CheckpointOptions, FaultOptions, ActivationCheckpointingOptions, ContextParallelOptions,
-                        PipelineOptions, TensorParallelOptions, Layout):
+class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, ActivationCheckpointingOptions,
+                        ContextParallelOptions, PipelineOptions, TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
     def __post_init__(self) -> None:
@@ -45,6 +48,7 @@ class ParallelismConfig(CheckpointOptions, FaultOptions, ActivationCheckpointing
         self._check_checkpoint()
         self._check_nonfinite()
         self._check_pipeline()
+        self._check_accelerate_api()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (copies; safe to modify)."""

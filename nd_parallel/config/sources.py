@@ -14,7 +14,10 @@ The functions take the config class as `cls`, so that this module does not impor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +25,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from .accelerate_api import check_cp_comm_strategy
 from .checks import ConfigError, ConfigTypeError, _kind, _suggest
 from .layout import SIZE_FIELDS
 
@@ -30,10 +34,9 @@ AXOLOTL_ALIASES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "
 _ENV_PREFIX = "PARALLELISM_CONFIG_"
 _ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "pp_microbatches", "pp_virtual_stages")}
 _ENV_STRINGS = {"PP_SCHEDULE": "pp_schedule", "PP_BACKEND": "pp_backend"}
-_ENV_SPECIAL = ("CP_BACKEND", "PP_BALANCE", "CP_LOAD_BALANCE", "SP_SIZE")
-# Set by accelerate for its DeepSpeed sequence parallelism and its own CP; they do not apply here.
-_ENV_IGNORED = ("SP_BACKEND", "CP_COMM_STRATEGY", "SP_SEQ_LENGTH", "SP_SEQ_LENGTH_IS_VARIABLE",
-                "SP_ATTN_IMPLEMENTATION")
+_ENV_SPECIAL = ("CP_BACKEND", "PP_BALANCE", "CP_LOAD_BALANCE", "SP_SIZE", "SP_BACKEND", "CP_COMM_STRATEGY")
+# Set by accelerate only with sp_size > 1, which SP_SIZE already refuses.
+_ENV_IGNORED = ("SP_SEQ_LENGTH", "SP_SEQ_LENGTH_IS_VARIABLE", "SP_ATTN_IMPLEMENTATION")
 _ENV_KNOWN = (*_ENV_INTS, *_ENV_STRINGS, *_ENV_SPECIAL, *_ENV_IGNORED)
 
 _ConfigT = TypeVar("_ConfigT")
@@ -55,7 +58,8 @@ def from_dict(cls: type[_ConfigT], d: Mapping[str, Any], *, source: str = "confi
         if name in kwargs and kwargs[name] is None:
             kwargs[name] = -1 if name == "dp_shard_size" else 1
     try:
-        return cls(**kwargs)
+        with _explicit_only():  # the levels are the caller's: the constructor must not add the environment
+            return cls(**kwargs)
     except ConfigError as err:
         raise type(err)(f"in {source}: {err}") from None
 
@@ -91,7 +95,8 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     Empty variables count as unset. accelerate always sets CP_BACKEND to "torch" (its only choice), so
     that value is ignored; "ring" / "ulysses" are used when CP_SIZE > 1. Pick the torch backend with
-    ParallelismConfig(cp_backend="torch") or cp_backend in the YAML. accelerate's SP_* and CP_COMM_STRATEGY are ignored.
+    ParallelismConfig(cp_backend="torch") or cp_backend in the YAML. accelerate's SP_BACKEND and CP_COMM_STRATEGY pass
+    at the values its launcher writes by default and are refused otherwise (accelerate_api.check_cp_comm_strategy).
     """
     env = os.environ if environ is None else environ
     raw = {k[len(_ENV_PREFIX):]: v.strip() for k, v in env.items()
@@ -106,6 +111,12 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         raise ConfigError(
             f"{_ENV_PREFIX}SP_SIZE={raw['SP_SIZE']}: accelerate's sp_size (DeepSpeed Ulysses) "
             "is not supported; use cp_size with cp_backend='ulysses' instead")
+    # CP_COMM_STRATEGY and SP_BACKEND are written by accelerate's launcher with its defaults, which say nothing;
+    # another value is a setting we do not have.
+    check_cp_comm_strategy(raw.get("CP_COMM_STRATEGY"), f"{_ENV_PREFIX}CP_COMM_STRATEGY")
+    if raw.get("SP_BACKEND", "deepspeed") != "deepspeed":
+        raise ConfigError(f"{_ENV_PREFIX}SP_BACKEND={raw['SP_BACKEND']!r} is not one of accelerate's values "
+                          "('deepspeed'); remove parallelism_config_sp_backend (sequence parallelism is cp here)")
     # accelerate's launcher can only write CP_BACKEND=torch, and always does: it says nothing about the
     # user's choice, so it keeps our default (ring, which runs everywhere). A hand-set ring / ulysses counts.
     if "CP_BACKEND" in raw and raw["CP_BACKEND"] != "torch" and out.get("cp_size", 1) > 1:
@@ -197,3 +208,37 @@ def _env_balance(text: str) -> str | list[int]:
         raise ConfigError(
             f"{_ENV_PREFIX}PP_BALANCE={text!r} is neither a balance name ('uniform', 'profile') "
             "nor comma-separated layer counts such as '4,4'") from None
+
+
+# ---------------------------------------------------------------- the constructor, as Accelerate's
+
+_FILL_FROM_ENV = contextvars.ContextVar("nd_parallel_fill_from_env", default=True)
+
+
+@contextlib.contextmanager
+def _explicit_only():
+    token = _FILL_FROM_ENV.set(False)
+    try:
+        yield
+    finally:
+        _FILL_FROM_ENV.reset(token)
+
+
+def reads_env_for_unset(cls: type[_ConfigT]) -> type[_ConfigT]:
+    """Make ``cls(**given)`` read PARALLELISM_CONFIG_* for every setting not given, as Accelerate's
+    ``ParallelismConfig()`` does (``accelerate launch --config_file`` passes the layout that way, and scripts such as
+    Accelerate's ``nd_parallel_trainer.py`` build ``ParallelismConfig()`` to read it): keyword arguments >
+    environment > defaults. The readers above (from_dict, merge, from_yaml, from_env) state their levels themselves
+    and do not add it; ``dataclasses.replace`` passes every field, so it never does either."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **given: Any) -> None:
+        if _FILL_FROM_ENV.get() and any(f.init and f.name not in given for f in dataclasses.fields(cls)):
+            env = env_overrides()
+            given = {**{k: v for k, v in env.items() if k not in given}, **given}
+        with _explicit_only():  # a subclass's __init__ calling this one reads the environment once
+            init(self, **given)
+
+    cls.__init__ = __init__
+    return cls

@@ -7,7 +7,8 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
 1. **Checks** that need no process group (``check_model``), so bad input never reaches a collective.
 2. **The load path.** A meta-built model is read later, slice by slice, into the shards each rank owns (step 10);
    where every rank needs the whole model first (one process, DeepSpeed's engine, profiled balancing) it is read
-   now. A model with real weights moves to the device.
+   now. A model with real weights moves to the device. One sharded by transformers' own ``tp_plan`` at load is
+   first gathered back into plain tensors (``transformers_tp.py``), so every layout applies its own plan to it.
 3. **Adapters**: every rank starts from rank 0's adapter init (ranks seeded differently would otherwise diverge).
 4. **The mesh**, built on first use (a collective).
 5. **Context parallelism** swaps the attention function before any split, since pipeline stages share the model's
@@ -44,7 +45,7 @@ from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
 
-from . import activation_checkpoint, context_parallel, tensor_parallel
+from . import activation_checkpoint, context_parallel, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
@@ -68,6 +69,9 @@ class Parallelized:
 
 
 def check_not_parallelized(model: nn.Module) -> None:
+    if transformers_tp.is_sharded_by_transformers(peft.base_of(model)):  # adopted: gathered back in step 2
+        transformers_tp.check_transformers_tp(peft.base_of(model), has_adapter=peft.base_of(model) is not model)
+        return
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(
             f"{type(model).__name__} already holds DTensor parameters (it was prepared before, or loaded with "
@@ -127,6 +131,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
     if lazy is not None and (not distributed or reads_whole_model(config)):
         result.loading, lazy = load_local_shards([model], lazy, device), None
     ac_mode = activation_checkpoint.requested_mode(model, config.activation_checkpointing)
+    # sharded by transformers' tp_plan at load: gathered back, so the layout applies its own plan (a collective)
+    adopted = transformers_tp.gather_transformers_tp(model) if transformers_tp.is_sharded_by_transformers(model) else {}
     before = dict(model.named_parameters(remove_duplicate=False))
     if lazy is None:
         model.to(device)
@@ -146,6 +152,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
     if lazy is not None:  # 10
         result.loading = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
     result.replaced = _parameter_map(before, moved, dict(model.named_parameters(remove_duplicate=False)))  # 11
+    result.replaced.update({old: result.replaced[id(new)] for old, new in adopted.items()})
     result.model = peft.rewrap(wrapper, model, inner)
     return result
 

@@ -97,6 +97,30 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return matched
 
 
+# The module types each style's torch class can split: torch's own error ("ColwiseParallel currently only support
+# nn.Linear and nn.Embedding!") comes mid-parallelize and names neither the module nor the fix. None: any module.
+_SPLITS = {"colwise": (nn.Linear, nn.Embedding), "rowwise": (nn.Linear, nn.Embedding),
+           "colwise_rep": (nn.Linear, nn.Embedding), "colwise_gather_output": (nn.Linear, nn.Embedding),
+           "rowwise_rep": (nn.Linear, nn.Embedding), "rowwise_split_input": (nn.Linear, nn.Embedding),
+           "embedding_rowwise": (nn.Linear, nn.Embedding), "replicated_with_grad_allreduce": None}
+
+
+def check_module_types(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
+    """Every module a plan entry matches must be one its style can split (e.g. a user-wrapped lm_head), refused
+    before any collective with the override that fixes it."""
+    for name, style in match_plan(model, resolve_plan(model, overrides)).items():
+        needs = _SPLITS[style]
+        module = model.get_submodule(name)
+        if needs is None or isinstance(module, needs) or hasattr(module, "base_layer"):  # PEFT: expand_plan's
+            continue
+        inner = [f"{name}.{n}" for n, m in module.named_modules() if n and isinstance(m, needs)]
+        move = f"{{'{name}': None, '{inner[0]}': '{style}'}}" if len(inner) == 1 else f"{{'{name}': None}}"
+        raise ValueError(
+            f"`{name}` is a {type(module).__name__}, the tp_plan style {style} needs "
+            f"{' or '.join('nn.' + t.__name__ for t in needs)}; pass ParallelismConfig(tp_plan={move}) "
+            f"(None keeps `{name}` replicated){'' if len(inner) == 1 else ', or shard the module inside it'}")
+
+
 def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
     """PEFT adapters on modules the plan shards must be splittable (checked before any collective)."""
     expand_plan(model, match_plan(model, resolve_plan(model, overrides)))
@@ -123,6 +147,7 @@ def check_model(model: nn.Module, config) -> None:
         raise ValueError(
             f"{type(model).__name__} has no tp_plan, so tp_size={config.tp_size} cannot shard it; pass "
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
+    check_module_types(model, config.tp_plan)
     check_adapters(model, config.tp_plan)
 
 

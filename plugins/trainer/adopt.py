@@ -29,9 +29,13 @@ where the plugin turns HF's off and applies its own "full" mode.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import types
+
+from nd_parallel.accelerate.accelerate_config import refuse_different_sizes
 
 logger = logging.getLogger("nd_parallel")
 
@@ -46,9 +50,6 @@ def check_trainer_args(args, accelerator, config) -> None:
     if getattr(args, "deepspeed", None):
         fights.append((f"deepspeed={args.deepspeed!r}", "drop deepspeed= (nd_parallel shards the model; for "
                        "DeepSpeed's pipeline use ParallelismConfig(pp_backend='deepspeed'))"))
-    if getattr(args, "parallelism_config", None) is not None or getattr(accelerator, "parallelism_config", None):
-        fights.append(("Accelerate's parallelism_config", "drop TrainingArguments(parallelism_config=...) and "
-                       "do not load the model with tp_plan=/device_mesh=: pass the layout to NDParallelCallback"))
     if (getattr(args, "tp_size", 1) or 1) > 1:
         fights.append((f"tp_size={args.tp_size}", "drop it and pass ParallelismConfig(tp_size=...)"))
     if fights:
@@ -87,11 +88,55 @@ def check_own_loss(trainer, config) -> None:
             "data collator for your SFT data (its loss is nd_parallel's), or a layout with only tp_size > 1")
 
 
-def adopt(trainer, plugin) -> None:
-    """Attach ``plugin`` to ``trainer.accelerator`` and turn the Trainer habits listed in the module docstring."""
-    check_trainer_args(trainer.args, trainer.accelerator, plugin.config)
+def adopt(trainer, plugin, accelerator=None):
+    """Attach ``plugin`` to the Trainer's Accelerator and turn the Trainer habits listed in the module docstring.
+
+    Where the Accelerator already has nd_parallel (``TrainingArguments(parallelism_config=ours)`` attaches it in
+    ``Accelerator()``), that plugin is kept and ``plugin`` must name the same layout. Returns the plugin in use."""
+    accelerator = accelerator if accelerator is not None else trainer.accelerator
+    if getattr(trainer, "nd_parallel", None) is not None:
+        refuse_different_sizes(trainer.nd_parallel.config, plugin.config, "the layout in use",
+                               "NDParallelCallback's ParallelismConfig")
+        return trainer.nd_parallel
+    check_trainer_args(trainer.args, accelerator, plugin.config)
     check_own_loss(trainer, plugin.config)
-    plugin.attach(trainer.accelerator)
+    attached = getattr(accelerator, "nd_parallel", None)
+    if attached is not None:
+        refuse_different_sizes(attached.config, plugin.config, "TrainingArguments(parallelism_config=...)",
+                               "NDParallelCallback's ParallelismConfig")
+        plugin = attached
+    else:  # the Trainer and TRL apply Accelerate's tp/cp arithmetic to a visible config: see attach(expose=...)
+        plugin.attach(accelerator, expose=False)
+    _turn_habits(trainer, plugin)
+    return plugin
+
+
+def adopt_constructing_trainer(accelerator, plugin) -> None:
+    """``Accelerator(parallelism_config=ours)`` created inside ``Trainer.__init__`` (TrainingArguments'
+    parallelism_config): adopt that Trainer now, so a script that only changed its import needs no callback."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if frame.f_code.co_name == "create_accelerator_and_postprocess" and _is_trainer(owner):
+                adopt(owner, plugin, accelerator)
+                return
+            frame = frame.f_back
+    finally:
+        del frame
+
+
+def _is_trainer(obj) -> bool:
+    return any(cls.__module__.startswith("transformers.") and cls.__name__ == "Trainer" for cls in type(obj).__mro__)
+
+
+def _turn_habits(trainer, plugin) -> None:
+    # A model transformers sharded at load (tp_plan=) is gathered back at prepare (distributed/transformers_tp.py)
+    # and then laid out and checkpointed by nd_parallel like any other: the Trainer must not treat it as owning its
+    # placement (5.24 would skip prepare's wrapping and refuse save_steps without save_only_model).
+    if getattr(trainer.model, "_is_distributed_loading_by_transformers", False):
+        trainer.model._is_distributed_loading_by_transformers = False
+    trainer.is_distributed_loading_by_transformers = False
     trainer.args.average_tokens_across_devices = False
     trainer._mixed_mesh_grads = False  # 5.24: cached answer of _has_mixed_mesh_grads; older versions ignore it
     trainer._has_mixed_mesh_grads = lambda model: False
@@ -101,10 +146,22 @@ def adopt(trainer, plugin) -> None:
                      ("_save_rng_state", _nothing), ("_load_rng_state", _nothing),
                      ("_load_from_checkpoint", _nothing)):
         setattr(trainer, name, types.MethodType(fn, trainer))
+    # Ranks that share a batch: the Trainer divides its token count by tp * cp * sp when Accelerate's config shows
+    # them, and TRL its token metric by tp. nd_parallel's loss counts each batch once already (loss.py) and its
+    # gathers span the dp ranks only, so for that arithmetic they are 1; the batch size it logs is the true dp's.
+    for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
+        setattr(trainer, name, lambda: 1)
+    trainer.get_total_train_batch_size = lambda args: (trainer._train_batch_size * args.gradient_accumulation_steps
+                                                       * plugin.config.dp_size)
+    # nd_parallel's CP cuts the batch inside the prepared model: no Accelerate CP buffers, no causal-mask check.
+    trainer._prepare_context_parallel_inputs = lambda model, inputs: (contextlib.nullcontext, inputs)
     trainer.nd_parallel = plugin
     if plugin.config.save_on_signal:  # a checkpoint after the step in which SIGTERM/SIGINT came (fault/)
         from .preemption import PreemptionCallback
 
+        if getattr(trainer, "callback_handler", None) is None:
+            raise NotImplementedError("save_on_signal with TrainingArguments(parallelism_config=...): pass the "
+                                      "layout as callbacks=[NDParallelCallback(config)] instead")
         trainer.add_callback(PreemptionCallback(plugin))
 
 

@@ -53,5 +53,5 @@ class NDParallelCallback(TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         if self.trainer is None:
             self.trainer = find_trainer(self)
-            adopt(self.trainer, self.plugin)
+            self.plugin = adopt(self.trainer, self.plugin)
         return control

@@ -56,13 +56,20 @@ class _Args:
 
 @pytest.mark.parametrize("field,value,needle", [("fsdp", "full_shard", "fsdp='full_shard'"),
                                                 ("deepspeed", "ds.json", "deepspeed='ds.json'"),
-                                                ("parallelism_config", object(), "parallelism_config"),
                                                 ("tp_size", 2, "tp_size=2")])
 def test_trainer_arguments_that_fight_the_layout(field, value, needle):
     args = _Args()
     setattr(args, field, value)
     with pytest.raises(ValueError, match=needle):
         check_trainer_args(args, object(), ParallelismConfig(dp_shard_size=2).resolve(2))
+
+
+def test_trainer_parallelism_config_is_adopted_not_refused():
+    # issue 20: TrainingArguments(parallelism_config=ours) attaches nd_parallel in Accelerator(); Accelerate's own is
+    # compared with the callback's layout at attach (accelerate_config.refuse_two_layouts, test_accelerate_api.py)
+    args = _Args()
+    args.parallelism_config = ParallelismConfig(dp_shard_size=2)
+    check_trainer_args(args, object(), ParallelismConfig(dp_shard_size=2).resolve(2))
 
 
 def test_trainer_evaluation_under_pp_runs_with_torch_and_is_refused_with_deepspeed():

@@ -87,10 +87,16 @@ class PipelineModel(nn.Module):
         return self._schedules[shape]
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
-                use_cache=None, **unused):
+                use_cache=None, shift_labels=None, **unused):
         """A training step (forward + backward of every micro-batch), or under ``model.eval()`` / ``no_grad`` a
-        forward-only pass that touches no gradient and returns the loss (if labels) and the full logits."""
+        forward-only pass that touches no gradient and returns the loss (if labels) and the full logits.
+
+        ``shift_labels`` (targets already shifted: position t's label is token t+1, as Accelerate's CP collate
+        writes them) take precedence over ``labels``, as in transformers' own loss."""
         evaluating = not (self.training and torch.is_grad_enabled())
+        shifted = shift_labels is not None
+        if shifted:
+            labels = shift_labels
         check_step_inputs(input_ids, labels, unused, self.microbatches, labels_required=not evaluating)
         seq_len = input_ids.shape[1]
         has_labels = labels is not None
@@ -103,12 +109,13 @@ class PipelineModel(nn.Module):
         if self.cp is not None:  # cut the whole batch once; micro-batches split its rows, never its sequence
             from nd_parallel.distributed.context_parallel.hf import shard_inputs
 
-            side = shard_inputs(dict(input_ids=input_ids, labels=labels, **side), self.cp, self.pad_id, isolate).kwargs
+            given = {"shift_labels" if shifted else "labels": labels}
+            side = shard_inputs(dict(input_ids=input_ids, **given, **side), self.cp, self.pad_id, isolate).kwargs
             input_ids, labels = side.pop("input_ids"), side.pop("labels")
             side.pop("shift_labels")
         elif not isolate and position_ids is not None and attention_mask is None:
             side["attention_mask"] = torch.ones_like(input_ids)  # a mask turns transformers' packing detection off
-        self.loss.shifted = self.cp is not None
+        self.loss.shifted = self.cp is not None or shifted
         self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch, shifted=self.loss.shifted)
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []
