@@ -38,7 +38,8 @@ def _attach_to_accelerator(config, accelerator):
     from .plugins.trainer.adopt import adopt_constructing_trainer
 
     plugin = attach_from_config(config, accelerator)
-    adopt_constructing_trainer(accelerator, plugin)  # a Trainer building this Accelerator gets its habits turned
+    if plugin is not None:
+        adopt_constructing_trainer(accelerator, plugin)  # a Trainer building this Accelerator gets its habits turned
 
 
 _accelerate_api.connect(build_mesh=_build_device_mesh, attach=_attach_to_accelerator)

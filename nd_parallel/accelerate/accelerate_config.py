@@ -35,6 +35,10 @@ def refuse_two_layouts(accelerator, config: ParallelismConfig) -> None:
     theirs = getattr(accelerator, "parallelism_config", None)
     if theirs is None or theirs is config:
         return
+    if getattr(theirs, "_nd_parallel_shown", False) and getattr(accelerator, "nd_parallel", None) is None:
+        # Shown by an earlier plugin on Accelerate's process-wide AcceleratorState, for an earlier Accelerator of
+        # this process (a script that trains several layouts in turn): this attach replaces it.
+        return
     refuse_different_sizes(config, theirs, "nd_parallel's ParallelismConfig",
                            f"Accelerator(parallelism_config={type(theirs).__module__}.{type(theirs).__name__})")
 
@@ -51,6 +55,7 @@ def show(accelerator, config: ParallelismConfig, mesh: ParallelMesh | None, expo
     if not expose or state is None:
         return
     state.parallelism_config = config
+    config._nd_parallel_shown = True  # refuse_two_layouts: ours, not the user's
     if mesh is not None:
         config.device_mesh = mesh.world
         config._nd_parallel_mesh = mesh

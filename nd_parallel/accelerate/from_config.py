@@ -26,10 +26,16 @@ OPT_IN_ENV = "ND_PARALLEL_ACCELERATE"
 logger = logging.getLogger("nd_parallel")
 
 
-def attach_from_config(config: ParallelismConfig, accelerator) -> NDParallelPlugin:
-    """Our config's ``_validate_accelerator``: attach (or find) the plugin of this Accelerator."""
-    undo_trainer_overwrite(config)
+def attach_from_config(config: ParallelismConfig, accelerator) -> NDParallelPlugin | None:
+    """Our config's ``_validate_accelerator``: attach (or find) the plugin of this Accelerator.
+
+    None when ``config`` is the one an earlier plugin left on Accelerate's process-wide ``AcceleratorState``
+    (``accelerate_config.show``): a later ``Accelerator()`` of the same process, which Accelerate hands that state,
+    did not ask for it; a script that trains several layouts in turn attaches the next plugin itself."""
     existing = getattr(accelerator, "nd_parallel", None)
+    if getattr(config, "_nd_parallel_shown", False) and existing is None:
+        return None
+    undo_trainer_overwrite(config)
     if existing is not None:
         refuse_different_sizes(existing.config, config, "the plugin already attached", "this ParallelismConfig")
         return existing
