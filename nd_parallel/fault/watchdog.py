@@ -203,7 +203,7 @@ class Watchdog:
 
     def _say(self, line: str) -> None:
         self.report = line
-        print(line, file=sys.stderr, flush=True)
+        _write_line(line)
         if self.on_report is not None:
             self.on_report(line)
 
@@ -253,8 +253,15 @@ def _kill_if_local(record: dict | None) -> None:
             os.kill(int(record["pid"]), signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             return
-        print(f"[nd_parallel] hang: sent SIGKILL to stopped rank {record.get('rank', '?')} (pid {record['pid']} on "
-              f"{record['host']}): a stopped process runs no handler", file=sys.stderr, flush=True)
+        _write_line(f"[nd_parallel] hang: sent SIGKILL to stopped rank {record.get('rank', '?')} (pid {record['pid']} "
+                    f"on {record['host']}): a stopped process runs no handler")
+
+
+def _write_line(line: str) -> None:
+    """One write of the line and its newline. print() writes them apart, and with unbuffered stderr two ranks
+    reporting at once then interleave on the launcher's shared output (one report glued to the next)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class _Beat(threading.Thread):
