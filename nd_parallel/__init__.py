@@ -33,10 +33,9 @@ def _build_device_mesh(config, device_type):
 def _attach_to_accelerator(config, accelerator):
     from .accelerate.from_config import attach_from_config
     from .accelerate.launcher_env import adopt_launcher_env
-
-    adopt_launcher_env()
     from .plugins.trainer.adopt import adopt_constructing_trainer
 
+    adopt_launcher_env()
     plugin = attach_from_config(config, accelerator)
     if plugin is not None:
         adopt_constructing_trainer(accelerator, plugin)  # a Trainer building this Accelerator gets its habits turned

@@ -35,12 +35,16 @@ def refuse_two_layouts(accelerator, config: ParallelismConfig) -> None:
     theirs = getattr(accelerator, "parallelism_config", None)
     if theirs is None or theirs is config:
         return
-    if getattr(theirs, "_nd_parallel_shown", False) and getattr(accelerator, "nd_parallel", None) is None:
-        # Shown by an earlier plugin on Accelerate's process-wide AcceleratorState, for an earlier Accelerator of
-        # this process (a script that trains several layouts in turn): this attach replaces it.
+    if left_by_earlier_plugin(theirs, accelerator):  # this attach replaces it
         return
     refuse_different_sizes(config, theirs, "nd_parallel's ParallelismConfig",
                            f"Accelerator(parallelism_config={type(theirs).__module__}.{type(theirs).__name__})")
+
+
+def left_by_earlier_plugin(config, accelerator) -> bool:
+    """``config`` was put on Accelerate's process-wide ``AcceleratorState`` by the plugin of an earlier Accelerator
+    of this process (``show``; a script that trains several layouts in turn), not given for ``accelerator``."""
+    return getattr(config, "_nd_parallel_shown", False) and getattr(accelerator, "nd_parallel", None) is None
 
 
 def mesh_built_for(given: ParallelismConfig, resolved: ParallelismConfig) -> ParallelMesh | None:

@@ -19,7 +19,7 @@ import os
 from nd_parallel.config import ConfigError, ParallelismConfig
 from nd_parallel.distributed.device_mesh import parallel_mesh_of
 
-from .accelerate_config import SHARED_SIZES, refuse_different_sizes
+from .accelerate_config import SHARED_SIZES, left_by_earlier_plugin, refuse_different_sizes
 from .plugin import NDParallelPlugin
 
 OPT_IN_ENV = "ND_PARALLEL_ACCELERATE"
@@ -32,10 +32,10 @@ def attach_from_config(config: ParallelismConfig, accelerator) -> NDParallelPlug
     None when ``config`` is the one an earlier plugin left on Accelerate's process-wide ``AcceleratorState``
     (``accelerate_config.show``): a later ``Accelerator()`` of the same process, which Accelerate hands that state,
     did not ask for it; a script that trains several layouts in turn attaches the next plugin itself."""
-    existing = getattr(accelerator, "nd_parallel", None)
-    if getattr(config, "_nd_parallel_shown", False) and existing is None:
+    if left_by_earlier_plugin(config, accelerator):
         return None
     undo_trainer_overwrite(config)
+    existing = getattr(accelerator, "nd_parallel", None)
     if existing is not None:
         refuse_different_sizes(existing.config, config, "the plugin already attached", "this ParallelismConfig")
         return existing
