@@ -274,7 +274,6 @@ def sequence_mixers(model: nn.Module) -> list[str]:
     stack_name, layers = found
     mixers = []
     for name, module in layers.named_modules(prefix=stack_name):
-        how = None
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
             how = f"Conv1d over the sequence, kernel {module.kernel_size[0]}"
         else:

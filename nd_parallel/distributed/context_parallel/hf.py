@@ -251,7 +251,7 @@ def _attention_inputs(model: nn.Module) -> dict[str, frozenset[str]]:
     """Class name -> the keywords it passes to the attention function, for every module of the layer stack."""
     found = find_layer_stack(model)
     modules = [] if found is None else found[1].modules()
-    return {type(m).__name__: attention_keywords(type(m)) for m in modules if attention_keywords(type(m))}
+    return {type(m).__name__: keywords for m in modules if (keywords := attention_keywords(type(m)))}
 
 
 def use_cp_attention(model: nn.Module) -> None:
