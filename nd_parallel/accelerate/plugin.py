@@ -27,6 +27,7 @@ from nd_parallel.config import ParallelismConfig
 from nd_parallel.distributed.data import check_batch_size, shard_dataloader
 from nd_parallel.distributed.grad_norm import clip_grad_norm_
 from nd_parallel.distributed.mesh import ParallelMesh, build_mesh, single_process_group
+from nd_parallel.distributed.optimizer import prefer_foreach
 from nd_parallel.distributed.parallelize import check_model, parallelize
 from nd_parallel.distributed.precision import policy_for
 from nd_parallel.fault.runtime import FaultTolerance
@@ -189,6 +190,7 @@ class NDParallelPlugin:
         check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
             group["params"] = [q for p in group["params"] for q in self._param_map.get(id(p), [p])]
+        prefer_foreach(optimizer)  # one DTensor dispatch per op for all parameters, not one per parameter
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
         self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused
         self.accelerator._optimizers.append(wrapped)

@@ -1,0 +1,41 @@
+"""The optimizer step's kernels: torch's foreach implementation where the user left the choice to torch.
+
+torch picks its per-parameter ("single tensor") loop by default on CPU and its foreach kernels on CUDA
+(``torch.optim.optimizer._default_to_fused_or_foreach``). Under FSDP/TP every parameter is a DTensor, and each
+of the per-parameter loop's dozen ops per parameter goes through DTensor's Python dispatch (sharding propagation,
+spec hashing): on CPU that dispatch, not the arithmetic, is the optimizer step's cost. The foreach kernels
+dispatch once per op for the whole list. For torch's element-wise optimizers both implementations compute the
+same numbers (the same formula, op for op; tests/unit/test_optimizer.py checks bit equality for AdamW, Adam and
+SGD with momentum). The price is transient memory: a foreach op allocates its result for every tensor of the
+list at once (AdamW: one extra copy of this rank's parameter shards during the step), which CUDA users pay by
+default already.
+
+Only ``torch.optim`` optimizers and only param groups whose ``foreach`` is ``None`` (torch's "choose for me")
+and that are not ``fused`` are changed; an explicit ``foreach=False`` is the user's and stays.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("nd_parallel")
+
+
+def prefer_foreach(optimizer: torch.optim.Optimizer) -> int:
+    """Set ``foreach=True`` on the param groups that left it to torch; returns how many groups changed."""
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        return 0
+    changed = 0
+    for group in optimizer.param_groups:
+        if "foreach" not in group or group["foreach"] is not None or group.get("fused"):
+            continue
+        if any(p.is_sparse or p.device.type != "cpu" for p in group["params"]):
+            continue  # CUDA: torch chooses foreach itself; sparse tensors have no foreach kernels
+        group["foreach"] = True
+        changed += 1
+    if changed:
+        logger.debug("optimizer %s: torch's foreach kernels on %d param group(s) (foreach was unset)",
+                     type(optimizer).__name__, changed)
+    return changed
