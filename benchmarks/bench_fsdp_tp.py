@@ -345,7 +345,7 @@ def worker(args) -> None:
     measured = {}
     for impl in impls:
         run_steps(impl, 1, measure=lambda i: measured.setdefault(i.name, state_bytes(i)))
-    latency = scalar_allreduce_latency(accelerator.nd_parallel.distributed.mesh["dp_cp"].get_group())
+    latency = scalar_allreduce_latency(accelerator.nd_parallel.mesh["dp_cp"].get_group())
     profiles = {impl.name: count_collectives(impl) for impl in impls} if args.profile else None
     result = collect(impls, measured)
     result["collectives"] = profiles
