@@ -19,6 +19,7 @@ from .accelerate_api import AccelerateAPI
 from .activation_checkpointing import ActivationCheckpointingOptions
 from .checkpoint import CheckpointOptions
 from .checks import ConfigError
+from .compile import CompileOptions
 from .context_parallel import ContextParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
@@ -31,7 +32,7 @@ from .tensor_parallel import TensorParallelOptions
 # Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, ActivationCheckpointingOptions,
+class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, CompileOptions, ActivationCheckpointingOptions,
                         ContextParallelOptions, PipelineOptions, TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
@@ -44,6 +45,7 @@ class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, Activati
         self._check_pipeline_choices()
         self._check_context_parallel()
         self._check_activation_checkpointing()
+        self._check_compile()
         self._check_fault()
         self._check_checkpoint()
         self._check_nonfinite()

@@ -30,7 +30,8 @@ from .checks import ConfigError, ConfigTypeError, _kind, _suggest
 from .layout import SIZE_FIELDS
 
 AXOLOTL_ALIASES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "cp_size",
-                   "pipeline_parallel_size": "pp_size"}
+                   "pipeline_parallel_size": "pp_size", "torch_compile": "compile",
+                   "torch_compile_backend": "compile_backend"}
 _ENV_PREFIX = "PARALLELISM_CONFIG_"
 _ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "pp_microbatches", "pp_virtual_stages")}
 _ENV_STRINGS = {"PP_SCHEDULE": "pp_schedule", "PP_BACKEND": "pp_backend"}

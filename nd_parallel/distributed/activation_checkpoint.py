@@ -36,6 +36,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nd_parallel.config import check_activation_checkpointing
 from nd_parallel.models.hf import decoder_layers
 
+from .compile import CompiledForward
+
 logger = logging.getLogger(__name__)
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")  # names across families/versions
@@ -138,8 +140,11 @@ def apply_activation_checkpointing(part: nn.Module, mode: str | None, every: int
     for i, layer in enumerate(decoder_layers(part)):
         if i % every or isinstance(layer.forward, CheckpointedForward):
             continue
-        # The bound method of the class, not an instance attribute another wrapper may have put there first.
-        layer.forward = CheckpointedForward(functools.partial(type(layer).forward, layer), mode)
+        # The bound method of the class, not an instance attribute another wrapper may have put there first;
+        # except the compiled forward (compile=True), which is meant to run inside the checkpoint.
+        forward = layer.forward if isinstance(layer.forward, CompiledForward) else functools.partial(
+            type(layer).forward, layer)
+        layer.forward = CheckpointedForward(forward, mode)
         wrapped += 1
     logger.info("applied %s activation checkpointing to %d layers", mode, wrapped)
     return wrapped

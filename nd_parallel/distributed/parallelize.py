@@ -15,8 +15,8 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
    config. CP changes no weight: its ranks hold equal weights, so FSDP shards over them too (``mesh.fsdp_mesh``).
 6. **Pipeline split** (torch backend): this rank's stage modules, HF names kept. DeepSpeed's engine instead splits,
    shards and schedules by itself after activation checkpointing is applied to the whole model.
-7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> activation checkpointing ->
-   FSDP/HSDP with the precision policy.
+7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> compile (``compile=True``) ->
+   activation checkpointing -> FSDP/HSDP with the precision policy.
 
    - TP first: it must see plain ``nn.Linear`` weights to split them.
    - Checkpointing next: the recomputed region then holds TP's functional collectives, and FSDP's all-gather
@@ -47,6 +47,7 @@ from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_s
 
 from . import activation_checkpoint, context_parallel, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
+from .compile import apply_compile, check_backend
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
 from .mesh import ParallelMesh
@@ -87,6 +88,8 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
     peft.check_peft_model(model)
     model = peft.base_of(model)  # a PeftModel is split as the HF model inside it
     activation_checkpoint.check_model(model, config.activation_checkpointing)
+    if config.compile:
+        check_backend(config.compile_backend, device_type)
     if config.pp_size > 1:
         validate_pipeline(model, config)
     if config.cp_size > 1:
@@ -96,14 +99,17 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
 
 
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,
-                     mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Step 7 on one model part, in place: TP -> activation checkpointing -> FSDP/HSDP (+ precision policy).
+                     mp_policy: MixedPrecisionPolicy | None = None, compile_backend: str | None = None) -> nn.Module:
+    """Step 7 on one model part, in place: TP -> compile -> activation checkpointing -> FSDP/HSDP (+ precision
+    policy). ``compile_backend``: compile each decoder layer with it (compile.py says why there in the order).
 
     ``mesh`` may be None for a single process that only checkpoints activations.
     """
     config = mesh.config if mesh is not None else None
     if config is not None and config.tp_size > 1:
         apply_tp(part, mesh["tp"], plan_overrides=config.tp_plan)
+    if compile_backend is not None:
+        apply_compile(part, compile_backend)
     every = config.activation_checkpointing_every if config is not None else 1
     apply_activation_checkpointing(part, activation_checkpointing, every)
     # Where no dimension shards, a mixed-precision policy still needs fully_shard (over one rank) to do its casts,
@@ -160,7 +166,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
 def _split_and_shard(model: nn.Module, mesh: ParallelMesh | None, config: ParallelismConfig, device: torch.device,
                      ac_mode: str | None, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
     """Steps 6-8: the pipeline split, then every part the same treatment, then the pipeline assembly."""
-    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy)
+    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy,
+                   compile_backend=config.compile_backend if config.compile else None)
     if config.pp_size == 1:
         return parallelize_part(model, mesh, **options)
     if config.pp_backend == "deepspeed":

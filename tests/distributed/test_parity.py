@@ -38,6 +38,7 @@ LAUNCHES = {
         "ddp2": L(dp_replicate_size=2),
         "fsdp2": L(dp_shard_size=2),
         "tp2": L(tp_size=2),
+        "fsdp2_compile": L(dp_shard_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "4r": (4, 2, {
         "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2),
@@ -56,6 +57,7 @@ LAUNCHES = {
         "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2),
         "pp2_uneven_5l": L(5, pp_size=2),  # default split: 3 + 2 layers
         "pp2_packed": L(4, pp_size=2, samples=PACKED),  # stages reproduce transformers' (non-)isolation
+        "pp2_compile": L(4, pp_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "pp4r": (4, 4, {
         "pp4_1f1b": L(4, pp_size=4, pp_microbatches=4),
@@ -74,6 +76,7 @@ LAUNCHES = {
         "cp2_packed": L(cp_size=2, samples=PACKED),
         "ulysses2_packed": L(cp_size=2, cp_backend="ulysses", samples=PACKED),
         "cp2_left_padded": L(cp_size=2, samples=LEFT_PADDED),
+        "cp2_compile": L(cp_size=2, compile=True, compile_backend="aot_eager"),  # the ring stays out of the graph
     }),
     "cp4r": (4, 2, {
         "cp4": L(cp_size=4),
@@ -102,6 +105,9 @@ EXCLUDE = {("gpt2", "tp2")}  # gpt2 has no tp_plan: refused, see tests/unit/test
 # (OPT's final norm before its layers, learned positions): their row is PP2. None has a tp_plan, and FSDP2 changes
 # nothing these families do differently from the others, so those rows would only cost time.
 EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")}
+# compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): one
+# family per composition, since compiling costs seconds per rank and the families add nothing compile-specific.
+EXCLUDE |= {(f, n) for f in ("qwen3", "mistral", "gemma") for n in ("fsdp2_compile", "pp2_compile", "cp2_compile")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],

@@ -42,7 +42,6 @@ REFUSED = {
     "xformers_attention": "drop it: SDPA is used",
     "s2_attention": "drop it: SDPA is used",
     "flex_attention": "drop it: SDPA is used",
-    "torch_compile": "drop it: torch.compile is not applied by nd-parallel train",
     "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",

@@ -162,7 +162,10 @@ def check_torch_batch(sharded: ShardedBatch) -> None:
 def register_attention() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, cp_attention_forward)
+    from ..compile import keep_out
+
+    # Under compile=True the ring's point-to-point exchange stays out of the compiled region (compile.py).
+    AttentionInterface.register(ATTENTION_NAME, keep_out(cp_attention_forward))
 
 
 # ----------------------------------------------------------------------------------------------- checks
