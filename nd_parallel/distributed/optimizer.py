@@ -11,7 +11,10 @@ list at once (AdamW: one extra copy of this rank's parameter shards during the s
 default already.
 
 Only ``torch.optim`` optimizers and only param groups whose ``foreach`` is ``None`` (torch's "choose for me")
-and that are not ``fused`` are changed; an explicit ``foreach=False`` is the user's and stays.
+and that are not ``fused`` are changed; an explicit ``foreach=False`` is the user's and stays. A group that mixes
+DTensor and plain parameters (DDP-style replication leaves some parameters plain) keeps the per-parameter loop:
+DTensor's foreach ops refuse a list that mixes the two. DTensors on different meshes are fine (FSDP's 1-D and
+FSDPxTP's 2-D parameters in one group).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger("nd_parallel")
 
@@ -33,6 +37,8 @@ def prefer_foreach(optimizer: torch.optim.Optimizer) -> int:
             continue
         if any(p.is_sparse or p.device.type != "cpu" for p in group["params"]):
             continue  # CUDA: torch chooses foreach itself; sparse tensors have no foreach kernels
+        if len({isinstance(p, DTensor) for p in group["params"]}) > 1:
+            continue  # DTensor's foreach ops refuse a list mixing DTensors and plain tensors
         group["foreach"] = True
         changed += 1
     if changed:

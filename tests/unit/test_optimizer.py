@@ -49,6 +49,24 @@ def test_an_explicit_choice_and_fused_and_other_libraries_are_left_alone():
     assert prefer_foreach(Outside(ps, lr=0.1)) == 0
 
 
+def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from nd_parallel.distributed.mesh import single_process_group
+
+    single_process_group("cpu")
+    mesh = DeviceMesh("cpu", [0])
+    shared = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
+    plain = torch.nn.Parameter(torch.randn(4))
+    mixed = torch.optim.AdamW([shared, plain])
+    assert prefer_foreach(mixed) == 0
+    only = torch.optim.AdamW([shared])
+    assert prefer_foreach(only) == 1
+    shared.grad = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    only.step()  # DTensor foreach kernels run
+
+
 def test_the_plugin_turns_it_on_once_prepared(tmp_path):
     model_dir = save_tiny_model("llama", tmp_path / "llama")
     from transformers import AutoModelForCausalLM
