@@ -175,8 +175,10 @@ class TrainConfig:
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets", "notes", "liger",
                                                                  "attn_implementation"}
 # Axolotl keys read by equivalents.py rather than stored as they are
-MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", "flash_attn_cross_entropy",
-          "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels"}
+# Axolotl switches for fused CUDA/Triton kernels of the same computation: accepted with one line each
+KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
+               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
+MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
 # key -> (type, bound, how a value compares with the bound)
@@ -314,7 +316,7 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
     out = Mapped().add(equivalents.attention(data)).add(equivalents.checkpointing_kwargs(
         data.get("gradient_checkpointing_kwargs"))).add(equivalents.fsdp_list(data.get("fsdp")))
     out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys))
-    for key in ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels"):
+    for key in KERNEL_KEYS:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")
     return out
@@ -355,7 +357,8 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
             except ConfigError as err:
                 refused.append(str(err))
     if refused:
-        raise ConfigError(f"{path}: {len(refused)} setting(s) cannot be used by nd-parallel train:\n  - "
+        count = sum(line.count("\n  - ") + 1 for line in refused)
+        raise ConfigError(f"{path}: {count} setting(s) cannot be used by nd-parallel train:\n  - "
                           + "\n  - ".join(refused))
     for key in ("base_model", "base_model_config", "tokenizer_config", "lora_model_dir", "output_dir",
                 "dataset_prepared_path", "resume_from_checkpoint"):

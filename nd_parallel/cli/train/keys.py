@@ -28,7 +28,10 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "sample_packing_bin_size", "sample_packing_group_size", "tokenizer_save_jinja_files", "save_safetensors",
            "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
            "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "eval_causal_lm_metrics", "gc_steps",
-           "dataset_keep_in_memory", "shuffle_before_merging_datasets"}
+           "dataset_keep_in_memory", "shuffle_before_merging_datasets",
+           # placement and DDP tuning without numeric effect here (nd_parallel places by rank and builds its own DDP)
+           "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "low_cpu_mem_usage",
+           "device_map", "flex_attn_compile_kwargs"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {

@@ -17,7 +17,7 @@ from nd_parallel.config import ConfigError
 
 TYPES = ("completion", "alpaca", "chat_template", "pretraining")
 # Axolotl's names for the same formats.
-TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None}
+TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None, "chat_template.default": "chat_template"}
 DS_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
             ".txt": "text"}
 # Axolotl's default role names (chat_template strategy): dataset role -> template role.
@@ -144,16 +144,17 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
         raise ConfigError(f"{path}: datasets[{i}].type={kind!r} is not supported by nd-parallel train; use {fix}, "
                           "or run the YAML with Axolotl and the nd_parallel plugin")
     entry["type"] = TYPE_ALIASES.get(kind) or kind
-    spec = DatasetSpec(**entry, base_dir=base)
+    spec, issues = DatasetSpec(**entry, base_dir=base), []
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
-        raise ConfigError(f"{path}: datasets[{i}].ds_type={spec.ds_type!r}; use one of "
-                          f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
+        issues.append(f"datasets[{i}].ds_type={spec.ds_type!r}; use one of "
+                      f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
     if spec.train_on_eos not in EOS_OPTIONS:
-        raise ConfigError(f"{path}: datasets[{i}].train_on_eos={spec.train_on_eos!r}; use one of "
-                          f"{', '.join(EOS_OPTIONS)}")
+        issues.append(f"datasets[{i}].train_on_eos={spec.train_on_eos!r}; use one of {', '.join(EOS_OPTIONS)}")
     if parse_split(spec.split) is None:
-        raise ConfigError(f"{path}: datasets[{i}].split={spec.split!r} is not a split name or a slice; write e.g. "
-                          "'train', 'train[:20%]', 'train[10:100]'")
+        issues.append(f"datasets[{i}].split={spec.split!r} is not a split name or a slice; write e.g. 'train', "
+                      "'train[:20%]', 'train[10:100]'")
+    if issues:  # every problem of the entry, one line each (config.py lists them with the others)
+        raise ConfigError(f"{path}: " + "\n  - ".join(issues))
     return spec
 
 
