@@ -77,10 +77,32 @@ def stage(text: str, tmp: Path) -> str | None:
     return None
 
 
+# Keys another change owns (QLoRA / 8-bit optimizers / memory options): set back to what this stage accepts, to
+# count the files that pass once that change is in.
+OTHER_CHANGE = {"load_in_4bit": None, "load_in_8bit": None, "bnb_config_kwargs": None, "activation_offloading": None,
+                "tiled_mlp": None, "tiled_mlp_num_shards": None}
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit")
+
+
+def without_other_change(cfg: dict) -> dict:
+    cfg = {k: v for k, v in cfg.items() if k not in OTHER_CHANGE}
+    if cfg.get("adapter") == "qlora":
+        cfg["adapter"] = "lora"
+    if cfg.get("optimizer") in BNB_OPTIMIZERS:
+        cfg["optimizer"] = "adamw_torch"
+    if cfg.get("gradient_checkpointing") == "offload":
+        cfg["gradient_checkpointing"] = True
+    if isinstance(cfg.get("fsdp_config"), dict):
+        cfg["fsdp_config"] = {k: v for k, v in cfg["fsdp_config"].items() if "offload_params" not in k}
+    if isinstance(cfg.get("fsdp"), list):
+        cfg["fsdp"] = [v for v in cfg["fsdp"] if v != "offload"]
+    return cfg
+
+
 def reasons(message: str) -> list[str]:
     """The refused keys of one message (the text before the first '=' or ':' of each line)."""
     lines = [line.strip()[2:] for line in message.splitlines()[1:] if line.strip().startswith("- ")] or [message]
-    return sorted({re.split(r"[=:]| is | are ", line.removeprefix("unknown key "), maxsplit=1)[0].strip("' ")
+    return sorted({re.split(r"[=:]| is | are |' in ", line.removeprefix("unknown key "), maxsplit=1)[0].strip("' ")
                    for line in lines})
 
 
@@ -95,7 +117,7 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=30, help="refusal reasons to list")
     args = ap.parse_args()
     files = example_files(args)
-    passed, stopped, theirs = [], collections.Counter(), set()
+    passed, stopped, theirs, later = [], collections.Counter(), set(), []
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
             try:
@@ -109,10 +131,14 @@ def main() -> None:
                 passed.append(name)
             else:
                 stopped.update(reasons(message))
+                if isinstance(cfg, dict) and stage(yaml.safe_dump(without_other_change(cfg)), Path(tmp)) is None:
+                    later.append(name)
     ours = set()
     for path in sorted(Path(args.ours).glob("*.yml")):
         ours |= uses(yaml.safe_load(path.read_text()))
     print(f"{len(passed)} of {len(files)} Axolotl example YAMLs pass nd-parallel train's config stage")
+    print(f"{len(passed) + len(later)} of {len(files)} pass once the QLoRA / 8-bit optimizer / memory-option keys "
+          f"({', '.join([*OTHER_CHANGE, 'adapter: qlora', *BNB_OPTIMIZERS])}, offload) are accepted")
     print(f"\nrefused keys/values, by the number of files they stop (top {args.show}):")
     for reason, n in stopped.most_common(args.show):
         print(f"  {n:4d}  {reason}")

@@ -36,6 +36,9 @@ class TrainConfig:
     """Directory whose config.json is used instead of base_model's. Default: base_model."""
     tokenizer_config: str | None = None
     """Directory of the tokenizer. Default: base_model (byte-level ids when it has no tokenizer files)."""
+    model_config: dict | None = None
+    """Config attributes to override when the model loads (Axolotl's model_config, e.g. {output_router_logits:
+    true}: MoE models add their router's auxiliary loss). Default none."""
     model_type: str | None = None
     """Axolotl's model class name; any *ForCausalLM (the checkpoint's own class is loaded)."""
     tokenizer_type: str | None = None
@@ -94,8 +97,8 @@ class TrainConfig:
     """Peak learning rate. Default 1e-4."""
     lr_scheduler: str = "cosine"
     """One of keys.SCHEDULERS. Default cosine."""
-    warmup_steps: int | None = None
-    """Linear warm-up steps. Default 0."""
+    warmup_steps: int | float | None = None
+    """Linear warm-up steps; below 1, a share of the steps (as the Trainer and Axolotl's examples read it). Default 0."""
     warmup_ratio: float | None = None
     """Warm-up as a share of the steps (instead of warmup_steps)."""
     weight_decay: float = 0.0
@@ -183,7 +186,7 @@ EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_ver
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
 # key -> (type, bound, how a value compares with the bound)
 _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
-           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (int, 0, ">="), "seed": (int, 0, ">="),
+           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (float, 0, ">="), "seed": (int, 0, ">="),
            "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">"),
            "base_batch_size": (int, 1, ">="), "num_epochs": (float, 0, ">"), "val_set_size": (float, 0, ">="),
            "lora_r": (int, 1, ">="), "lora_alpha": (float, 0, ">"), "lora_dropout": (float, 0, ">="),
@@ -230,7 +233,7 @@ def _check_value(key: str, value: Any) -> Any:
     number = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not number or value < bound or (op == ">" and value == bound):
         raise ConfigError(f"{key}={value!r} must be {'an integer' if kind is int else 'a number'} {op} {bound}")
-    if key in ("eval_steps", "save_steps"):  # a number of steps, or (< 1) a share of all steps, as in the Trainer
+    if key in ("eval_steps", "save_steps", "warmup_steps"):  # steps, or (< 1) a share of all steps, as in the Trainer
         return int(value) if value >= 1 else float(value)
     return kind(value)
 
@@ -256,6 +259,8 @@ def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], li
             else:
                 refused.append(f"{key}={value!r}: not implemented by nd-parallel train; drop it, or run the YAML "
                                "with Axolotl and the nd_parallel plugin (docs/axolotl.md)")
+        elif value is None:  # a key Axolotl 0.19 no longer has (gptq_model_v1: ...), left empty: changes nothing
+            unused.append(key)
         else:
             owner = next((p for p, keys in equivalents.PLUGINS.items() if key in keys), None)
             hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else suggest(key, known)
@@ -294,6 +299,8 @@ def _types(d: dict) -> list[str]:
     for key in _BOOLS:
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
+    if d.get("model_config") is not None and not isinstance(d["model_config"], dict):
+        out.append(f"model_config={d['model_config']!r}; write a mapping of config attributes")
     for key in ("unfrozen_parameters", "eot_tokens"):
         if d.get(key) is not None and not (isinstance(d[key], list) and all(isinstance(x, str) for x in d[key])):
             out.append(f"{key}={d[key]!r}; write a list of strings")

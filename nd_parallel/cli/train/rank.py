@@ -38,6 +38,7 @@ def _model(t: TrainConfig, tokenizer):
         from transformers import AutoConfig
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
+    extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = t.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
