@@ -91,8 +91,8 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
     cfg = load_train_config(real_world(tmp_path, data))
     assert cfg.adapter == "lora" and cfg.lora_target_linear and cfg.sample_packing and cfg.val_set_size == 0.1
     assert cfg.parallel.dp_shard_size == 2 and cfg.parallel.activation_checkpointing == "full"
-    assert {"wandb_project", "wandb_entity", "group_by_length", "xformers_attention", "flash_attention",
-            "early_stopping_patience"} <= set(cfg.unused)
+    assert {"wandb_project", "wandb_entity", "group_by_length", "early_stopping_patience"} <= set(cfg.unused)
+    assert cfg.attn_implementation is None  # flash_attention: false / xformers_attention: (empty) choose nothing
     from nd_parallel.cli.train.job import trainer_arguments
 
     args = trainer_arguments(cfg, "x", train_rows=40, eval_rows=4, dp=2)
@@ -110,14 +110,14 @@ def test_keys_that_change_training_are_refused_together(tmp_path, data):
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
-    assert "8 setting(s) cannot be used" in message, message
-    for needle in ("flash_attention=True: drop it", "group_by_length=True", "load_in_4bit=True: quantized",
-                   "deepspeed='deepspeed_configs/zero3.json': drop deepspeed", "rl='dpo'", "adapter='qlora': use "
+    assert "7 setting(s) cannot be used" in message, message
+    for needle in ("group_by_length=True", "load_in_4bit=True: quantized",
+                   "deepspeed and fsdp/fsdp_config are both set", "rl='dpo'", "adapter='qlora': use "
                    "adapter: lora", "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
         assert needle in message, (needle, message)
 
 
-@pytest.mark.parametrize("fsdp,match", [("  offload_params: true\n", "CPU offload is not implemented"),
+@pytest.mark.parametrize("fsdp,match", [("  offload_params: true\n", "CPU offload of the sharded parameters is not"),
                                         ("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
                                         ("  sharding_strategy: HYBRID_SHARD\n", "dp_replicate_size and dp_shard"),
                                         ("  mystery: 1\n", "fsdp_config.mystery")])
@@ -169,12 +169,18 @@ def _prepare(tmp_path, data, **keys):
     return (prepared, *load_prepared(prepared.path))
 
 
-def test_chat_template_trains_on_assistant_turns_only(tmp_path, data):
-    _, train, _, tok = _prepare(tmp_path, data, datasets=[chat_entry(data["chat"])], sequence_len=256)
+@pytest.mark.parametrize("eot,option,want", [
+    (None, "turn", "{a}{b}"),  # Axolotl: eot_tokens default to eos_token (</s>), which ChatML never writes
+    (["<|im_end|>"], "turn", "{a}<|im_end|>{b}<|im_end|>"),
+    (["<|im_end|>"], "last", "{a}{b}<|im_end|>"),
+    (["<|im_end|>"], "none", "{a}{b}")])
+def test_chat_template_trains_on_assistant_turns_only(tmp_path, data, eot, option, want):
+    entry = {**chat_entry(data["chat"]), "train_on_eos": option}
+    _, train, _, tok = _prepare(tmp_path, data, datasets=[entry], sequence_len=256, eot_tokens=eot)
     row = train[0]
     trained = tok.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab != -100])
     first = json.loads(open(data["chat"]).readline())["conversations"]
-    assert trained == f"{first[2]['value']}<|im_end|>\n{first[4]['value']}<|im_end|>\n"
+    assert trained == want.format(a=first[2]["value"], b=first[4]["value"])
 
 
 def test_alpaca_prompt_is_not_trained_and_packing_restarts_positions(tmp_path, data):

@@ -115,3 +115,30 @@ def _import_callback(path, name: str):
 def user_callbacks(specs: list[dict] | None) -> list[TrainerCallback]:
     """On every rank: the YAML's trainer_callbacks, built with their args."""
     return [_import_callback("trainer_callbacks", s["class"])(**s["args"]) for s in specs or []]
+
+
+class LossWatchdog(TrainerCallback):
+    """Axolotl's loss_watchdog_threshold / loss_watchdog_patience: when the logged loss stays above the threshold
+    for `patience` steps in a row, print why and stop training (the Trainer then saves as at a normal end)."""
+
+    def __init__(self, threshold: float, patience: int | None):
+        self.threshold, self.patience, self.violations = threshold, patience or 3, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.log_history and "loss" in state.log_history[-1]:
+            loss = state.log_history[-1]["loss"]
+            if loss <= self.threshold:
+                self.violations = 0
+                return control
+            self.violations += 1
+            if self.violations >= self.patience:
+                if state.is_world_process_zero:
+                    print(f"[nd_parallel] loss {loss:.4f} > loss_watchdog_threshold={self.threshold} for "
+                          f"{self.violations} steps: stopping training", flush=True)
+                control.should_training_stop = True
+        return control
+
+
+def watchdog(t) -> list:
+    """[LossWatchdog] when the YAML sets loss_watchdog_threshold, else []."""
+    return [LossWatchdog(t.loss_watchdog_threshold, t.loss_watchdog_patience)] if t.loss_watchdog_threshold else []

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 
+from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
+from .data.templates import template_problem
+from .equivalents import ALIASES, Mapped
 from .keys import REFUSED, is_default, is_logging, map_fsdp, value_refusals
 from .schema import AXOLOTL_DEFAULTS
 
@@ -32,6 +36,9 @@ class TrainConfig:
     """Directory whose config.json is used instead of base_model's. Default: base_model."""
     tokenizer_config: str | None = None
     """Directory of the tokenizer. Default: base_model (byte-level ids when it has no tokenizer files)."""
+    model_config: dict | None = None
+    """Config attributes to override when the model loads (Axolotl's model_config, e.g. {output_router_logits:
+    true}: MoE models add their router's auxiliary loss). Default none."""
     model_type: str | None = None
     """Axolotl's model class name; any *ForCausalLM (the checkpoint's own class is loaded)."""
     tokenizer_type: str | None = None
@@ -43,9 +50,15 @@ class TrainConfig:
     tokens: list[str] = field(default_factory=list)
     """Extra tokens added to the tokenizer (the embeddings grow to fit)."""
     chat_template: str | None = None
-    """"tokenizer_default" (default: the tokenizer's own) or "jinja" (chat_template_jinja)."""
+    """A named template (data/templates.py: chatml, llama3, gemma3, phi_3, ...), "tokenizer_default" (default: the
+    tokenizer's own), "tokenizer_default_fallback_<name>" or "jinja" (chat_template_jinja)."""
     chat_template_jinja: str | None = None
-    """A Jinja chat template, with chat_template: jinja."""
+    """A Jinja chat template, or the path of a .jinja file, with chat_template: jinja."""
+    eot_tokens: list[str] | None = None
+    """chat_template: the end-of-turn tokens train_on_eos trains (Axolotl's eot_tokens). Default: the eos_token."""
+    attn_implementation: str | None = None
+    """Attention the model is loaded with: eager, sdpa, or a CUDA kernel where one is installed (equivalents.py
+    resolves Axolotl's attn_implementation and its older boolean keys). Default: the model's own choice."""
     # --- data
     datasets: list[DatasetSpec]
     """Data sources (sources.DatasetSpec); `dataset_path: FILE` is shorthand for one completion source."""
@@ -63,6 +76,8 @@ class TrainConfig:
     """Packing of the evaluation split. Default: as sample_packing."""
     train_on_inputs: bool = False
     """alpaca/chat_template: train on the prompt too. Default false."""
+    min_sample_len: int | None = None
+    """Drop samples with fewer tokens than this (Axolotl's min_sample_len). Default 2."""
     shuffle_merged_datasets: bool = True
     """Shuffle the mix of several datasets (with seed). Default true."""
     # --- training
@@ -82,8 +97,8 @@ class TrainConfig:
     """Peak learning rate. Default 1e-4."""
     lr_scheduler: str = "cosine"
     """One of keys.SCHEDULERS. Default cosine."""
-    warmup_steps: int | None = None
-    """Linear warm-up steps. Default 0."""
+    warmup_steps: int | float | None = None
+    """Linear warm-up steps; below 1, a share of the steps (as the Trainer and Axolotl's examples read it). Default 0."""
     warmup_ratio: float | None = None
     """Warm-up as a share of the steps (instead of warmup_steps)."""
     weight_decay: float = 0.0
@@ -104,6 +119,16 @@ class TrainConfig:
     """Allow TF32 matmuls on CUDA; no effect on CPU."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward (activation_checkpointing: full). Default false."""
+    gradient_checkpointing_kwargs: dict | None = None
+    """Axolotl's {use_reentrant: ...}: accepted (the recompute is non-reentrant either way)."""
+    unfrozen_parameters: list[str] | None = None
+    """Regexes of parameter names to train; every other parameter is frozen (full fine-tuning only)."""
+    loss_watchdog_threshold: float | None = None
+    """Stop training when the loss stays above this for loss_watchdog_patience logged steps. Default off."""
+    loss_watchdog_patience: int | None = None
+    """Consecutive steps above loss_watchdog_threshold before stopping. Default 3."""
+    liger: dict = field(default_factory=dict)
+    """The Liger plugin's liger_* switches, applied on CUDA ranks where liger-kernel is installed."""
     # --- adapter
     adapter: str | None = None
     """"lora" or none (full fine-tuning)."""
@@ -146,21 +171,30 @@ class TrainConfig:
     """The global batch learning_rate was tuned at (with lr_scaling). Default None."""
     unused: list[str] = field(default_factory=list)
     """Keys accepted but not acted on (loggers, hubs, Axolotl keys at their default); reported once."""
+    notes: list[str] = field(default_factory=list)
+    """One line per Axolotl key mapped or falling back (attention, deepspeed, plugins, ...); reported once."""
 
 
-_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets"}
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets", "notes", "liger",
+                                                                 "attn_implementation"}
+# Axolotl keys read by equivalents.py rather than stored as they are
+# Axolotl switches for fused CUDA/Triton kernels of the same computation: accepted with one line each
+KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
+               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
+MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
 # key -> (type, bound, how a value compares with the bound)
 _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
-           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (int, 0, ">="), "seed": (int, 0, ">="),
+           "gradient_accumulation_steps": (int, 1, ">="), "warmup_steps": (float, 0, ">="), "seed": (int, 0, ">="),
            "learning_rate": (float, 0, ">"), "weight_decay": (float, 0, ">="), "max_grad_norm": (float, 0, ">"),
            "base_batch_size": (int, 1, ">="), "num_epochs": (float, 0, ">"), "val_set_size": (float, 0, ">="),
            "lora_r": (int, 1, ">="), "lora_alpha": (float, 0, ">"), "lora_dropout": (float, 0, ">="),
            "eval_batch_size": (int, 1, ">="), "logging_steps": (int, 1, ">="), "save_total_limit": (int, 1, ">="),
-           "evals_per_epoch": (int, 1, ">="), "saves_per_epoch": (int, 1, ">="), "warmup_ratio": (float, 0, ">="),
+           "evals_per_epoch": (int, 0, ">="), "saves_per_epoch": (int, 1, ">="), "warmup_ratio": (float, 0, ">="),
            "eval_steps": (float, 0, ">"), "save_steps": (float, 0, ">"), "adam_beta1": (float, 0, ">="),
-           "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">")}
+           "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">"), "min_sample_len": (int, 1, ">="),
+           "loss_watchdog_threshold": (float, 0, ">"), "loss_watchdog_patience": (int, 1, ">=")}
 _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_checkpointing", "lora_target_linear",
           "shuffle_merged_datasets", "fp16")
 
@@ -189,7 +223,7 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
     return data
 
 
-def _check_value(path, key: str, value: Any) -> Any:
+def _check_value(key: str, value: Any) -> Any:
     kind, bound, op = _CHECKS[key]
     if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
         try:
@@ -198,17 +232,16 @@ def _check_value(path, key: str, value: Any) -> Any:
             pass
     number = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not number or value < bound or (op == ">" and value == bound):
-        raise ConfigError(f"{path}: {key}={value!r} must be {'an integer' if kind is int else 'a number'} "
-                          f"{op} {bound}")
-    if key in ("eval_steps", "save_steps"):  # a number of steps, or (< 1) a share of all steps, as in the Trainer
+        raise ConfigError(f"{key}={value!r} must be {'an integer' if kind is int else 'a number'} {op} {bound}")
+    if key in ("eval_steps", "save_steps", "warmup_steps"):  # steps, or (< 1) a share of all steps, as in the Trainer
         return int(value) if value >= 1 else float(value)
     return kind(value)
 
 
-def _sort_keys(path, data: dict) -> tuple[dict, list[str], list[str]]:
+def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], list[str]]:
     """(keys we act on, unused keys, refusal lines) -- see the module docstring."""
     ours, unused, refused = {}, [], []
-    known = TRAIN_KEYS | PARALLEL_KEYS | set(EXTRA_PARALLEL)
+    known = TRAIN_KEYS | PARALLEL_KEYS | set(EXTRA_PARALLEL) | MAPPED | set(plugin_keys)
     for key, value in data.items():
         key = str(key)
         if key in known:
@@ -226,65 +259,114 @@ def _sort_keys(path, data: dict) -> tuple[dict, list[str], list[str]]:
             else:
                 refused.append(f"{key}={value!r}: not implemented by nd-parallel train; drop it, or run the YAML "
                                "with Axolotl and the nd_parallel plugin (docs/axolotl.md)")
+        elif value is None:  # a key Axolotl 0.19 no longer has (gptq_model_v1: ...), left empty: changes nothing
+            unused.append(key)
         else:
-            refused.append(f"unknown key {key!r} in {path}; {suggest(key, known)}")
+            owner = next((p for p, keys in equivalents.PLUGINS.items() if key in keys), None)
+            hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else suggest(key, known)
+            refused.append(f"unknown key {key!r} in {path}; {hint}")
     return ours, unused, refused
 
 
-def _layout(path, d: dict, environ) -> tuple[ParallelismConfig, list[str]]:
+def _layout(path, d: dict, environ, mapped: Mapped) -> tuple[ParallelismConfig | None, list[str]]:
     yaml_layout = {k: v for k, v in d.items() if k in PARALLEL_KEYS}
     if d.get("sequence_parallel_degree") not in (None, 1):  # Axolotl's older name of context_parallel_size
         yaml_layout.setdefault("context_parallel_size", d["sequence_parallel_degree"])
     settings, refused = map_fsdp(d.get("fsdp_version"), d.get("fsdp_config"))
-    if settings.get("gradient_checkpointing"):
+    if settings.pop("gradient_checkpointing", None):
         d["gradient_checkpointing"] = True
+    for key, value in {**mapped.settings, **settings}.items():
+        if key in PARALLEL_KEYS or key in {f.name for f in dataclasses.fields(ParallelismConfig)}:
+            yaml_layout.setdefault(key, value)
     sharded = d.get("fsdp") or d.get("fsdp_config") or d.get("fsdp_version")
     if sharded and "dp_shard_size" not in yaml_layout and not any(k.startswith("dp_") for k in yaml_layout):
         yaml_layout["dp_shard_size"] = -1  # Axolotl with FSDP on and no size: shard over the ranks left over
-    # One precedence rule (nd_parallel/config): YAML overrides the PARALLELISM_CONFIG_* variables.
-    layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
-    if d.get("gradient_checkpointing") and layout.activation_checkpointing is None:
+    refused = [f"{k}: {why}" for k, why in refused]
+    try:  # One precedence rule (nd_parallel/config): YAML overrides the PARALLELISM_CONFIG_* variables.
+        layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
+    except (ConfigError, ValueError, TypeError) as err:
+        return None, [*refused, str(err)]
+    if d.get("gradient_checkpointing") is True and layout.activation_checkpointing is None:
         layout = dataclasses.replace(layout, activation_checkpointing="full")
-    return layout, [f"{k}: {why}" for k, why in refused]
+    return layout, refused
+
+
+def _types(d: dict) -> list[str]:
+    out = []
+    for key in ("base_model", "output_dir", "lr_scheduler", "base_model_config", "tokenizer_config"):
+        if key in d and d[key] is not None and not isinstance(d[key], str):
+            out.append(f"{key}={d[key]!r} is a {type(d[key]).__name__}; write a string")
+    for key in _BOOLS:
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            out.append(f"{key}={d[key]!r}; use true or false")
+    if d.get("model_config") is not None and not isinstance(d["model_config"], dict):
+        out.append(f"model_config={d['model_config']!r}; write a mapping of config attributes")
+    for key in ("unfrozen_parameters", "eot_tokens"):
+        if d.get(key) is not None and not (isinstance(d[key], list) and all(isinstance(x, str) for x in d[key])):
+            out.append(f"{key}={d[key]!r}; write a list of strings")
+    for pattern in d.get("unfrozen_parameters") or []:
+        if re.match(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$", str(pattern)):  # Axolotl's "name[start:end]" rows
+            out.append(f"unfrozen_parameters: {pattern!r} unfreezes rows of a parameter (through gradient hooks, "
+                       "which sharded parameters do not take); unfreeze the whole parameter (drop the [..] range)")
+            continue
+        try:
+            re.compile(str(pattern))
+        except re.error as err:
+            out.append(f"unfrozen_parameters: {pattern!r} is not a regular expression ({err}); fix it")
+    problem = template_problem(d.get("chat_template"))
+    if problem:
+        out.append(problem)
+    return out
+
+
+def _mapped(data: dict, plugin_keys: dict) -> Mapped:
+    out = Mapped().add(equivalents.attention(data)).add(equivalents.checkpointing_kwargs(
+        data.get("gradient_checkpointing_kwargs"))).add(equivalents.fsdp_list(data.get("fsdp")))
+    out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys))
+    for key in KERNEL_KEYS:
+        if data.get(key):
+            out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")
+    return out
 
 
 def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
-    """Parse and check a training YAML (no file of the model or data is opened yet)."""
+    """Parse and check a training YAML (no file of the model or data is opened yet). Every refused key, value,
+    fsdp/deepspeed setting and datasets entry is collected into one ConfigError, each with its fix."""
     data = read_yaml_mapping(path)
+    refused = []
     if data.get("auto_resume_from_checkpoints") is not None:  # Axolotl's switch for what "auto" does here
         if not isinstance(data["auto_resume_from_checkpoints"], bool):
-            raise ConfigError(f"{path}: auto_resume_from_checkpoints={data['auto_resume_from_checkpoints']!r}; "
-                              "use true or false")
-        if data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
+            refused.append(f"auto_resume_from_checkpoints={data['auto_resume_from_checkpoints']!r}; use true or false")
+        elif data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
             data["resume_from_checkpoint"] = "auto"
-    d, unused, refused = _sort_keys(path, data)
-    refused += value_refusals(d)
-    if refused:
-        raise ConfigError(f"{path}: {len(refused)} setting(s) cannot be used by nd-parallel train:\n  - "
-                          + "\n  - ".join(refused))
+    plugin_keys = equivalents.plugin_keys(data.get("plugins"))
+    d, unused, sorted_out = _sort_keys(path, data, plugin_keys)
+    refused += sorted_out + value_refusals(d) + _types(d)
+    mapped = _mapped(data, plugin_keys)
+    refused += mapped.refused
     if "base_model" not in d:
-        raise ConfigError(f"{path}: base_model is required: the local directory of a Hugging Face checkpoint "
-                          "(config.json + *.safetensors), e.g. 'base_model: runs/tiny/model'")
+        refused.append("base_model is required: the local directory of a Hugging Face checkpoint (config.json + "
+                       "*.safetensors), e.g. 'base_model: runs/tiny/model'")
     if d.get("layout", "auto") != "auto" or d.get("lr_scaling", "linear") not in ("linear", "sqrt"):
-        raise ConfigError(f"{path}: layout={d.get('layout')!r} / lr_scaling={d.get('lr_scaling')!r}; "
-                          "write 'layout: auto' (or leave it out) and 'lr_scaling: linear' or 'sqrt'")
+        refused.append(f"layout={d.get('layout')!r} / lr_scaling={d.get('lr_scaling')!r}; write 'layout: auto' (or "
+                       "leave it out) and 'lr_scaling: linear' or 'sqrt'")
     if d.get("layout") == "auto" and set(d) & (PARALLEL_KEYS - {"pp_backend", "cp_backend", "tp_plan", *RUN_OPTIONS}):
-        raise ConfigError(f"{path}: layout: auto chooses the layout, but the file also sets "
-                          f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
-    for key in ("base_model", "output_dir", "lr_scheduler", "base_model_config", "tokenizer_config"):
-        if key in d and d[key] is not None and not isinstance(d[key], str):
-            raise ConfigError(f"{path}: {key}={d[key]!r} is a {type(d[key]).__name__}; write a string")
-    for key in _BOOLS:
-        if d.get(key) is not None and not isinstance(d[key], bool):
-            raise ConfigError(f"{path}: {key}={d[key]!r}; use true or false")
-    layout, fsdp_refused = _layout(path, d, environ)
-    if fsdp_refused:
-        raise ConfigError(f"{path}: fsdp settings nd_parallel cannot honour:\n  - " + "\n  - ".join(fsdp_refused))
+        refused.append(f"layout: auto chooses the layout, but the file also sets "
+                       f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
+    layout, layout_refused = _layout(path, d, environ, mapped)
+    refused += layout_refused
+    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
-    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"))
     for key in _CHECKS:
         if train.get(key) is not None:
-            train[key] = _check_value(path, key, train[key])
+            try:
+                train[key] = _check_value(key, train[key])
+            except ConfigError as err:
+                refused.append(str(err))
+    if refused:
+        count = sum(line.count("\n  - ") + 1 for line in refused)
+        raise ConfigError(f"{path}: {count} setting(s) cannot be used by nd-parallel train:\n  - "
+                          + "\n  - ".join(refused))
     for key in ("base_model", "base_model_config", "tokenizer_config", "lora_model_dir", "output_dir",
                 "dataset_prepared_path", "resume_from_checkpoint"):
         if isinstance(train.get(key), str) and not (key == "resume_from_checkpoint" and train[key] == "auto"):
@@ -294,4 +376,6 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         from .callbacks import callback_specs
 
         train["trainer_callbacks"] = callback_specs(path, train["trainer_callbacks"])
-    return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)))
+    liger = {k: v for k, v in data.items() if k.startswith("liger_") and k in plugin_keys and v}
+    return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)), notes=mapped.notes,
+                       attn_implementation=mapped.settings.get("attn_implementation"), liger=liger)

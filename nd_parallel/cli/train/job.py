@@ -149,7 +149,8 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
     epoch_steps = _steps_per_epoch(cfg, train_rows, dp)
     eval_every = _every(cfg.eval_steps, cfg.evals_per_epoch, epoch_steps)
     save_every = _every(cfg.save_steps, cfg.saves_per_epoch, epoch_steps)
-    eval_strategy = "no" if not eval_rows else cfg.eval_strategy or ("steps" if eval_every else "epoch")
+    no_evals = cfg.evals_per_epoch == 0 and cfg.eval_steps is None  # Axolotl's evals_per_epoch: 0 = no evaluation
+    eval_strategy = "no" if not eval_rows or no_evals else cfg.eval_strategy or ("steps" if eval_every else "epoch")
     save_strategy = cfg.save_strategy or ("steps" if save_every else "no")
     args = dict(
         output_dir=cfg.output_dir, run_name=name, report_to=[], disable_tqdm=True, remove_unused_columns=False,

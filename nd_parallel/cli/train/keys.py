@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .equivalents import offload_setting
+
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
@@ -26,7 +28,10 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "sample_packing_bin_size", "sample_packing_group_size", "tokenizer_save_jinja_files", "save_safetensors",
            "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
            "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "eval_causal_lm_metrics", "gc_steps",
-           "dataset_keep_in_memory", "shuffle_before_merging_datasets"}
+           "dataset_keep_in_memory", "shuffle_before_merging_datasets",
+           # placement and DDP tuning without numeric effect here (nd_parallel places by rank and builds its own DDP)
+           "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "low_cpu_mem_usage",
+           "device_map", "flex_attn_compile_kwargs"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {
@@ -35,13 +40,8 @@ REFUSED = {
     "load_in_8bit": "quantized base weights are not implemented: drop it and train LoRA on the fp32/bf16 model "
                     "(adapter: lora, bf16: true)",
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
-    "deepspeed": "drop deepspeed: nd_parallel shards with dp_shard_size (ZeRO-3 equivalent); for DeepSpeed's "
-                 "pipeline engine set pp_backend: deepspeed",
-    "flash_attention": "drop it: SDPA is used (on CPU flash attention does not exist), and under CP nd_parallel's "
-                       "ring attention takes its place",
-    "xformers_attention": "drop it: SDPA is used",
-    "s2_attention": "drop it: SDPA is used",
-    "flex_attention": "drop it: SDPA is used",
+    "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
+                    "(full attention, attn_implementation: sdpa)",
     "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
@@ -49,7 +49,6 @@ REFUSED = {
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",
-    "unfrozen_parameters": "drop it: use adapter: lora with lora_modules_to_save, or full fine-tuning",
     "peft_use_dora": "DoRA is not implemented: use plain LoRA (adapter: lora)",
     "peft_use_rslora": "rsLoRA is not implemented: use plain LoRA (adapter: lora)",
     "loraplus_lr_ratio": "LoRA+ is not implemented: drop it",
@@ -79,8 +78,7 @@ _ANY = "*"
 FSDP_KEYS = {
     "reshard_after_forward": {True: None, False: "nd_parallel reshards each decoder layer after its forward "
                                                  "(FSDP2's default, least memory); drop reshard_after_forward: false"},
-    "offload_params": {False: None, True: "CPU offload is not implemented; shard over more ranks (dp_shard_size) "
-                                          "or split layers with pipeline_parallel_size"},
+    "offload_params": {False: None, True: None},  # True: equivalents.offload_setting (refused where unavailable)
     "cpu_offload_pin_memory": {_ANY: None},
     "state_dict_type": {"FULL_STATE_DICT": None, "SHARDED_STATE_DICT": None},  # checkpoints sharded, final full
     "final_state_dict_type": {"FULL_STATE_DICT": None},
@@ -93,7 +91,7 @@ FSDP_KEYS = {
                           "NO_SHARD": "use dp_replicate_size (DDP) instead"},
     "cpu_ram_efficient_loading": {_ANY: None}, "sync_module_states": {_ANY: None}, "use_orig_params": {_ANY: None},
     "limit_all_gathers": {_ANY: None}, "backward_prefetch": {_ANY: None}, "forward_prefetch": {_ANY: None},
-    "version": {2: None, "2": None, 1: "nd_parallel uses FSDP2 (fully_shard); set fsdp_version: 2"},
+    "version": {1: None, "1": None, 2: None, "2": None},  # FSDP1's full sharding runs as FSDP2: the same math
     "activation_checkpointing": {False: None, True: None},  # mapped to gradient_checkpointing by the caller
 }
 
@@ -101,8 +99,8 @@ FSDP_KEYS = {
 def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]]]:
     """(settings to apply, [(key=value, why refused)]) for Axolotl's fsdp_version / fsdp_config."""
     refused, settings = [], {}
-    if version not in (None, 2, "2"):
-        refused.append((f"fsdp_version={version!r}", "nd_parallel uses FSDP2 (fully_shard); set fsdp_version: 2"))
+    if version not in (None, 1, "1", 2, "2"):  # FSDP1's full sharding runs as FSDP2 (fully_shard): the same math
+        refused.append((f"fsdp_version={version!r}", "use fsdp_version: 2 (or 1: run as FSDP2, the same math)"))
     if fsdp_config is None:
         return settings, refused
     if not isinstance(fsdp_config, dict):
@@ -119,6 +117,11 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
             refused.append((f"fsdp_config.{raw}={value!r}", why))
         elif key == "activation_checkpointing" and value:
             settings["gradient_checkpointing"] = True
+        elif key == "offload_params" and value:
+            setting, why = offload_setting(f"fsdp_config.{raw}=True")
+            settings.update(setting)
+            if why:
+                refused.append((f"fsdp_config.{raw}=True", why.split(": ", 1)[1]))
     return settings, refused
 
 
@@ -136,9 +139,6 @@ def value_refusals(d: dict) -> list[str]:
         out.append("fp16=True: fp16 needs loss scaling, which is not implemented; use bf16: true")
     if d.get("bf16", "auto") not in (True, False, "auto"):
         out.append(f"bf16={d['bf16']!r}; use true, false or auto")
-    if d.get("chat_template") not in (None, "tokenizer_default", "jinja"):
-        out.append(f"chat_template={d['chat_template']!r}: named templates are not bundled; use tokenizer_default "
-                   "(the tokenizer's own) or chat_template: jinja with chat_template_jinja: '...'")
     for key in ("save_strategy", "eval_strategy"):
         if d.get(key) not in (None, *SAVE_STRATEGIES):
             out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")

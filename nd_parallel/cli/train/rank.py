@@ -38,10 +38,17 @@ def _model(t: TrainConfig, tokenizer):
         from transformers import AutoConfig
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
+    extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
+    if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
+        extra["attn_implementation"] = t.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         model.resize_token_embeddings(len(tokenizer))
+    if t.liger:
+        _apply_liger(model, t.liger)
     if t.adapter != "lora":
+        if t.unfrozen_parameters:
+            freeze_except(model, t.unfrozen_parameters)
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -51,6 +58,33 @@ def _model(t: TrainConfig, tokenizer):
     return get_peft_model(model, LoraConfig(
         r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
         modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM"))
+
+
+def freeze_except(model, patterns: list[str]) -> None:
+    """Axolotl's unfrozen_parameters: train the parameters whose name matches a pattern (re.match from the name's
+    start, a "." is a literal dot unless followed by "+", as Axolotl reads them), freeze the others."""
+    import re
+
+    regexes = [re.compile(re.sub(r"\.(?!\+)", "\\.", p)) for p in patterns]
+    for name, param in model.named_parameters():
+        param.requires_grad = any(r.match(name) for r in regexes)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"unfrozen_parameters {patterns} match no parameter of {type(model).__name__}; parameter "
+                         f"names look like {next(iter(dict(model.named_parameters())))!r}")
+
+
+def _apply_liger(model, switches: dict) -> None:
+    """The Liger plugin's kernels, on CUDA ranks with liger-kernel installed (the parent said so in its notes)."""
+    import importlib.util
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
+        return  # Triton kernels: CPU ranks train without them (the same math)
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    names = {"liger_rope": "rope", "liger_rms_norm": "rms_norm", "liger_glu_activation": "swiglu",
+             "liger_swiglu": "swiglu", "liger_layer_norm": "layer_norm", "liger_cross_entropy": "cross_entropy",
+             "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy"}
+    _apply_liger_kernel_to_instance(model=model, **{names[k]: bool(v) for k, v in switches.items() if k in names})
 
 
 def _run_train(job: TrainJob) -> dict:
@@ -63,7 +97,7 @@ def _run_train(job: TrainJob) -> dict:
     from nd_parallel.fault.resume import init_restarted_process_group
     from nd_parallel.plugins.trainer import NDParallelCallback
 
-    from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, user_callbacks
+    from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, user_callbacks, watchdog
     from .data import Collator, load_prepared
 
     t = job.train
@@ -76,7 +110,7 @@ def _run_train(job: TrainJob) -> dict:
     trainer = Trainer(model=model, args=TrainingArguments(**job.trainer_args), train_dataset=train_ds,
                       eval_dataset=eval_ds, data_collator=Collator(tokenizer.pad_token_id, pad_to),
                       processing_class=tokenizer,
-                      callbacks=[layout, *user_callbacks(t.trainer_callbacks)])  # theirs see on_init_end too
+                      callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
     # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete

@@ -48,7 +48,7 @@ def _fingerprint(cfg, tokenizer) -> str:
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
-            "shuffle_merged_datasets")
+            "shuffle_merged_datasets", "eot_tokens", "min_sample_len")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys},
              "tokenizer": tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer),
              "template": tokenizer.chat_template, "added": {str(k): v for k, v in tokenizer.get_added_vocab().items()}}
@@ -57,17 +57,21 @@ def _fingerprint(cfg, tokenizer) -> str:
 
 def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
     raw, where = load_source(spec, cache)
-    fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs)
+    fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
+                     eot_tokens=cfg.eot_tokens)
     ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
                  desc=f"tokenizing {spec.path}")
     if spec.type == "pretraining":
         ds = ds.map(chunk_fn(cfg.sequence_len), batched=True, desc="cutting into sequence_len blocks")
-    kept = ds.filter(lambda row: 2 <= len(row["input_ids"]) <= cfg.sequence_len, desc="dropping long samples")
+    shortest = cfg.min_sample_len or 2  # Axolotl's min_sample_len (default 2)
+    kept = ds.filter(lambda row: shortest <= len(row["input_ids"]) <= cfg.sequence_len,
+                     desc="dropping long and short samples")
     kept = kept.filter(lambda row: any(t != -100 for t in row["labels"]), desc="dropping untrained samples")
     if len(kept) == 0:
         raise ConfigError(f"{where}: none of its {len(raw)} records is left after tokenizing and filtering (samples "
-                          f"must have 2 to sequence_len={cfg.sequence_len} tokens and at least one trained token); "
-                          "raise sequence_len, check 'type:' / the field names, or remove this entry")
+                          f"must have {shortest} (min_sample_len) to sequence_len={cfg.sequence_len} tokens and at "
+                          "least one trained token); raise sequence_len, lower min_sample_len, check 'type:' / the "
+                          "field names, or remove this entry")
     return kept, f"{where}: {len(raw)} records -> {len(kept)} samples ({spec.type})"
 
 

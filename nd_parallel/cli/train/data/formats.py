@@ -2,8 +2,9 @@
 
 - completion: the whole text is trained on; cut to sequence_len.
 - alpaca: Axolotl's Alpaca prompt; only the response (and EOS) is trained on unless train_on_inputs.
-- chat_template: the tokenizer's chat template renders the conversation; only the turns of roles_to_train
-  (assistant by default) are trained on, their end-of-turn tokens included (train_on_eos: turn).
+- chat_template: the chat template (the tokenizer's, or a named one: templates.py) renders the conversation; the
+  content of the turns of roles_to_train (assistant by default) is trained on, and the end-of-turn / eos token
+  after it per train_on_eos (Axolotl's rules, `_labels`).
 - pretraining: texts joined with EOS and cut into sequence_len blocks, every token trained on.
 
 A bad record raises ConfigError naming the file, the record and the fix (map runs in the parent, before any rank).
@@ -41,7 +42,8 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
     return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
 
 
-def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, train_on_inputs: bool):
+def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, train_on_inputs: bool,
+                eot_tokens: list[str] | None = None):
     """A batched `map` function (with_indices=True) for `spec.type`."""
     if spec.type in ("completion", "pretraining"):
         fix = f"set 'field:' to the column holding the text (now {spec.text_field!r})"
@@ -60,7 +62,7 @@ def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, 
         return text
     if spec.type == "alpaca":
         return lambda batch, indices: _alpaca(batch, indices, tokenizer, where, train_on_inputs)
-    return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs)
+    return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens)
 
 
 def _alpaca(batch, indices, tokenizer, where: str, train_on_inputs: bool) -> dict:
@@ -95,48 +97,91 @@ def _turns(rec: dict, spec: DatasetSpec, where: str, i: int) -> list[dict]:
                               f"({', '.join(sorted(roles))}); map it in the datasets entry, e.g. roles: "
                               f"{{assistant: [assistant, {role}]}}, or fix the record")
         out.append({"role": roles[role], "content": content})
+    if spec.drop_system_message and out and out[0]["role"] == "system":  # Axolotl drops the first turn only
+        out = out[1:]
     return out
 
 
-def _render(tokenizer, turns: list[dict], generation: bool = False) -> str:
-    if not turns and not generation:
-        return ""
-    return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation)
+def _render(tokenizer, turns: list[dict]) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
 
 
-def _trained_spans(tokenizer, turns: list[dict], spec: DatasetSpec, full: str) -> list[tuple[int, int]]:
-    """Character spans of `full` to train on: each trained turn from after its header to its end-of-turn."""
+def _content_spans(tokenizer, turns: list[dict], full: str) -> list[tuple[int, int]]:
+    """Character span of each turn's content in `full`: found inside the text the turn adds to the rendering
+    (rendering turns[:t] and turns[:t + 1]), so a content repeated in an earlier turn is not mistaken for it."""
     spans = []
     for t, turn in enumerate(turns):
-        if turn["role"] not in spec.roles_to_train:
-            continue
-        start = len(_render(tokenizer, turns[:t], generation=turn["role"] == "assistant"))
-        end = len(_render(tokenizer, turns[:t + 1]))
-        if spec.train_on_eos == "none":  # the content only, without the end-of-turn tokens
-            end = full.index(turn["content"], start) + len(turn["content"])
-        spans.append((start, end))
+        seg_start, seg_end = len(_render(tokenizer, turns[:t])), len(_render(tokenizer, turns[:t + 1]))
+        content = str(turn["content"])
+        text = content if content in full[seg_start:seg_end] else content.strip()
+        at = full.find(text, seg_start, seg_end) if text else -1
+        spans.append((at, at + len(text)) if at >= 0 else (seg_end, seg_end))
     return spans
 
 
-def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inputs: bool) -> dict:
+def _end_ids(tokenizer, eot_tokens: list[str] | None, where: str) -> tuple[set[int], int | None]:
+    """(end-of-turn ids, eos id): Axolotl's eot_tokens, default the tokenizer's eos_token."""
+    ids = set()
+    for token in eot_tokens or [tokenizer.eos_token]:
+        enc = tokenizer.encode(token, add_special_tokens=False) if token else []
+        if len(enc) != 1:
+            raise ConfigError(f"{where}: eot_tokens entry {token!r} is {len(enc)} tokens for this tokenizer, not "
+                              f"one; list the tokenizer's own end-of-turn token, or add it with 'tokens: [{token}]'")
+        ids.add(enc[0])
+    return ids, tokenizer.eos_token_id
+
+
+def _labels(ids, offsets, turns, spans, spec: DatasetSpec, train_on_inputs: bool, ends) -> list[int]:
+    """Axolotl's chat_template labels: the content tokens of trained turns (roles_to_train, or every turn with
+    train_on_inputs); then, per train_on_eos, the first end-of-turn token (eot_tokens) and the first eos token
+    found within 3 tokens after each turn's content: "turn" (trained turns'), "all", "last" (the last turn's)
+    or "none". Headers, separators and untrained turns are not trained."""
+    eot_ids, eos_id = ends
+    labels = [IGNORE_INDEX] * len(ids)
+    last = {"eot": -1, "eos": -1}
+    option = spec.train_on_eos
+    for turn, (s, e) in zip(turns, spans):
+        trained = train_on_inputs or turn["role"] in spec.roles_to_train
+        if not trained and option != "all":
+            continue
+        inside = [k for k, (a, b) in enumerate(offsets) if s <= a and b <= e and b > a]
+        if trained:
+            for k in inside:
+                labels[k] = ids[k]
+        end = next((k for k, (a, _) in enumerate(offsets) if a >= e), len(ids))
+        for kind, match in (("eot", lambda i: i in eot_ids), ("eos", lambda i: i == eos_id)):
+            k = next((k for k in range(end, len(ids)) if match(ids[k])), -1)
+            if k == -1 or k - end > 3:  # Axolotl allows a little template padding before the marker
+                continue
+            last[kind] = k
+            if option == "all" or (option == "turn" and trained):
+                labels[k] = ids[k]
+    if option == "last":
+        for k in last.values():
+            if k != -1:
+                labels[k] = ids[k]
+    return labels
+
+
+def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inputs: bool, eot_tokens) -> dict:
     if not tokenizer.chat_template:
-        raise ConfigError(f"{where}: type: chat_template, but the tokenizer has no chat template; add one with "
-                          "'chat_template: jinja' and 'chat_template_jinja: ...', or use a checkpoint that has one")
+        raise ConfigError(f"{where}: type: chat_template, but the tokenizer has no chat template; name one "
+                          "(chat_template: chatml, llama3, ...), or use 'chat_template: jinja' with "
+                          "'chat_template_jinja: ...'")
+    ends = _end_ids(tokenizer, eot_tokens, where)
     out = {"input_ids": [], "labels": []}
     for i, rec in zip(indices, _records(batch)):
         turns = _turns(rec, spec, where, i)
         try:
             full = _render(tokenizer, turns)
-            spans = _trained_spans(tokenizer, turns, spec, full)
+            spans = _content_spans(tokenizer, turns, full)
         except Exception as err:  # jinja raises its own errors (e.g. roles that must alternate)
             raise ConfigError(f"{where}, record {i}: the chat template refuses this conversation: {err}; fix the "
                               "record or the template") from None
         enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        labels = [tok if train_on_inputs or any(s <= a and b <= e for s, e in spans) else IGNORE_INDEX
-                  for tok, (a, b) in zip(ids, enc["offset_mapping"])]
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
+        out["input_ids"].append(enc["input_ids"])
+        out["labels"].append(_labels(enc["input_ids"], enc["offset_mapping"], turns, spans, spec, train_on_inputs,
+                                     ends))
     return out
 
 

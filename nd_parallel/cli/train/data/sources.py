@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from nd_parallel.config import ConfigError
 
 TYPES = ("completion", "alpaca", "chat_template", "pretraining")
 # Axolotl's names for the same formats.
-TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None}
+TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None, "chat_template.default": "chat_template"}
 DS_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
             ".txt": "text"}
 # Axolotl's default role names (chat_template strategy): dataset role -> template role.
@@ -41,7 +42,8 @@ class DatasetSpec:
     ds_type: str | None = None
     """json | parquet | csv | arrow | text; default: from the file extension."""
     split: str = "train"
-    """Split to read (Axolotl's default "train")."""
+    """Split to read (Axolotl's default "train"), with an optional slice as `datasets` writes it: train[:20%],
+    train[10:100], train[-50:] (applied to the local rows; a bound past the rows is refused)."""
     data_files: str | list[str] | None = None
     """Files inside `path` (or absolute) to read instead of everything in it."""
     field: str | None = None
@@ -59,7 +61,10 @@ class DatasetSpec:
     roles_to_train: list[str] = dataclasses.field(default_factory=lambda: ["assistant"])
     """chat_template: template roles whose turns are trained on (Axolotl's default: assistant)."""
     train_on_eos: str = "turn"
-    """chat_template: "turn" (the end-of-turn tokens of trained turns are trained, Axolotl's default)."""
+    """chat_template: which end-of-turn / eos tokens are trained: "turn" (after trained turns, Axolotl's default),
+    "all", "last" (the last turn's) or "none"."""
+    drop_system_message: bool = False
+    """chat_template: drop a leading system turn."""
     base_dir: str = ""
     """Directory relative paths are resolved against (the working directory, as in Axolotl); not a YAML key."""
 
@@ -89,21 +94,35 @@ class DatasetSpec:
 
 _KEYS = {f.name for f in dataclasses.fields(DatasetSpec)} - {"base_dir"}
 # Keys Axolotl accepts in an entry that change nothing here when left at their default.
-_INERT = {"name": None, "shards": None, "revision": None, "trust_remote_code": False, "drop_system_message": False,
+_INERT = {"name": None, "shards": None, "revision": None, "trust_remote_code": False,
           "preprocess_shards": None, "conversation": None, "train_on_split": None}
 
 
-def dataset_specs(path, datasets: Any, dataset_path: Any = None) -> list[DatasetSpec]:
-    """The `datasets:` list (or our older `dataset_path:` string) of the YAML file `path`, checked."""
+def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[str] | None = None):
+    """The `datasets:` list (or our older `dataset_path:` string) of the YAML file `path`, checked. With
+    `problems`, each bad entry's message is appended there (and the entry left out) instead of raised."""
+    problem = None
     if (datasets is None) == (dataset_path is None):
-        raise ConfigError(f"{path}: give the data as 'datasets: [{{path: data.jsonl, type: completion}}]' "
-                          "(or 'dataset_path: data.txt'), exactly one of them")
-    if dataset_path is not None:
+        problem = ("give the data as 'datasets: [{path: data.jsonl, type: completion}]' (or 'dataset_path: "
+                   "data.txt'), exactly one of them")
+    elif dataset_path is not None:
         datasets = [{"path": dataset_path}]
-    if not isinstance(datasets, list) or not datasets:
-        raise ConfigError(f"{path}: datasets must be a non-empty list of {{path, type, ...}} mappings")
-    base = os.getcwd()
-    return [_spec(path, i, entry, base) for i, entry in enumerate(datasets)]
+    if problem is None and (not isinstance(datasets, list) or not datasets):
+        problem = "datasets must be a non-empty list of {path, type, ...} mappings"
+    if problem is not None:
+        if problems is None:
+            raise ConfigError(f"{path}: {problem}")
+        problems.append(problem)
+        return []
+    base, specs = os.getcwd(), []
+    for i, entry in enumerate(datasets):
+        try:
+            specs.append(_spec(path, i, entry, base))
+        except ConfigError as err:
+            if problems is None:
+                raise
+            problems.append(str(err).removeprefix(f"{path}: "))
+    return specs
 
 
 def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
@@ -125,13 +144,49 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
         raise ConfigError(f"{path}: datasets[{i}].type={kind!r} is not supported by nd-parallel train; use {fix}, "
                           "or run the YAML with Axolotl and the nd_parallel plugin")
     entry["type"] = TYPE_ALIASES.get(kind) or kind
-    spec = DatasetSpec(**entry, base_dir=base)
+    spec, issues = DatasetSpec(**entry, base_dir=base), []
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
-        raise ConfigError(f"{path}: datasets[{i}].ds_type={spec.ds_type!r}; use one of "
-                          f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
-    if spec.train_on_eos not in ("turn", "none"):
-        raise ConfigError(f"{path}: datasets[{i}].train_on_eos={spec.train_on_eos!r}; use 'turn' or 'none'")
+        issues.append(f"datasets[{i}].ds_type={spec.ds_type!r}; use one of "
+                      f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
+    if spec.train_on_eos not in EOS_OPTIONS:
+        issues.append(f"datasets[{i}].train_on_eos={spec.train_on_eos!r}; use one of {', '.join(EOS_OPTIONS)}")
+    if parse_split(spec.split) is None:
+        issues.append(f"datasets[{i}].split={spec.split!r} is not a split name or a slice; write e.g. 'train', "
+                      "'train[:20%]', 'train[10:100]'")
+    if issues:  # every problem of the entry, one line each (config.py lists them with the others)
+        raise ConfigError(f"{path}: " + "\n  - ".join(issues))
     return spec
+
+
+EOS_OPTIONS = ("turn", "all", "last", "none")
+_SPLIT = re.compile(r"^(\w+)(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?$")
+
+
+def parse_split(split: str):
+    """(split name, start, stop) with start/stop None, an int or a "N%" string; None when not a split."""
+    m = _SPLIT.match(split) if isinstance(split, str) else None
+    return None if m is None else (m.group(1), m.group(2), m.group(3))
+
+
+def slice_rows(split: str, rows: int, where: str) -> range | None:
+    """The rows `split`'s slice selects out of `rows` (None: no slice); refused when a bound is past the rows."""
+    _, start, stop = parse_split(split)
+    if start is None and stop is None and "[" not in split:
+        return None
+
+    def bound(value, default):
+        if value is None:
+            return default
+        n = round(rows * int(value[:-1]) / 100) if value.endswith("%") else int(value)
+        if abs(int(value.rstrip("%"))) > (100 if value.endswith("%") else rows):
+            raise ConfigError(f"{where}: split={split!r} asks for row {value}, but the data has {rows} rows; "
+                              f"use a bound within {rows} rows (or a percentage) in the datasets entry's 'split:'")
+        return n if n >= 0 else rows + n
+
+    picked = range(bound(start, 0), bound(stop, rows))
+    if len(picked) == 0:
+        raise ConfigError(f"{where}: split={split!r} selects no rows of its {rows}; widen the slice in 'split:'")
+    return picked
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -163,11 +218,12 @@ def load_source(spec: DatasetSpec, cache_dir: str):
     if root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
                                                       or (root / "dataset_dict.json").is_file()):
         loaded = datasets.load_from_disk(str(root))
+        name = parse_split(spec.split)[0]
         if isinstance(loaded, datasets.DatasetDict):
-            if spec.split not in loaded:
-                raise ConfigError(f"{root}: no split {spec.split!r} (it has {', '.join(loaded)}); set 'split:'")
-            loaded = loaded[spec.split]
-        return loaded, str(root)
+            if name not in loaded:
+                raise ConfigError(f"{root}: no split {name!r} (it has {', '.join(loaded)}); set 'split:'")
+            loaded = loaded[name]
+        return _sliced(loaded, spec, str(root)), str(root)
     files = _files(spec)
     kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
     if len(kinds) != 1 or None in kinds:
@@ -175,8 +231,14 @@ def load_source(spec: DatasetSpec, cache_dir: str):
                           "json, parquet, csv, arrow or text, and keep one format per datasets entry")
     kind = kinds.pop()
     try:
-        loaded = datasets.load_dataset(kind, data_files={spec.split: [str(f) for f in files]}, split=spec.split,
+        loaded = datasets.load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train",
                                        cache_dir=cache_dir)
     except Exception as err:  # the reader's own message, with the file named
         raise ConfigError(f"cannot read {', '.join(map(str, files))} as {kind}: {err}") from None
-    return loaded, ", ".join(map(str, files))
+    where = ", ".join(map(str, files))
+    return _sliced(loaded, spec, where), where
+
+
+def _sliced(loaded, spec: DatasetSpec, where: str):
+    picked = slice_rows(spec.split, len(loaded), where)
+    return loaded if picked is None else loaded.select(picked)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
+from .templates import resolve_template
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -38,10 +40,9 @@ def load_tokenizer(cfg):
         tokenizer, how = AutoTokenizer.from_pretrained(source, **extra), f"tokenizer of {source}"
     else:
         tokenizer, how = byte_tokenizer(), f"byte-level ids: no tokenizer files in {source}"
-    if cfg.chat_template == "jinja":
-        if not cfg.chat_template_jinja:
-            raise ConfigError("chat_template: jinja needs chat_template_jinja: '{% for message in messages %}...'")
-        tokenizer.chat_template = cfg.chat_template_jinja
+    template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
+    if template is not None:  # a named template (templates.py), jinja, or a fallback for a tokenizer without one
+        tokenizer.chat_template = template
     if cfg.special_tokens:
         tokenizer.add_special_tokens(dict(cfg.special_tokens))
     if cfg.tokens:

@@ -1,0 +1,168 @@
+"""Axolotl's named chat templates (``chat_template: llama3 | chatml | gemma3 | phi_3 | ...``), written here as our own
+Jinja templates from each family's documented turn format (text, turn markers, end-of-turn token, BOS, where the
+system prompt goes). They are generated from one small table (`FORMATS`) rather than copied, so every template
+renders turns the same way: ``[bos] header(role) + content + footer(role)`` per turn, optionally with the system
+prompt folded into the first user turn, plus the assistant header for ``add_generation_prompt``.
+
+`resolve_template` implements Axolotl's choices: a name from the table, ``tokenizer_default`` (the tokenizer's own),
+``tokenizer_default_fallback_<name>`` (the tokenizer's own, else <name>) and ``jinja`` (``chat_template_jinja``:
+a template inline, or the path of a ``.jinja`` file).
+
+Tool calls, images and reasoning blocks are not rendered: `nd-parallel train` reads text conversations (role +
+content), which is what the label masking (formats.py) trains on.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from nd_parallel.config import ConfigError
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How one family writes a conversation."""
+
+    header: str
+    """Text before a turn's content; ``{role}`` is the (renamed) role."""
+    footer: str
+    """Text after a turn's content (its end-of-turn marker and separator)."""
+    bos: bool = False
+    """Start with the tokenizer's bos_token."""
+    system: str = "turn"
+    """"turn": system is a turn of its own; "first_user": prepended to the first user turn (+ "\\n\\n")."""
+    rename: dict = field(default_factory=dict)
+    """Template role -> the name written in the header (Gemma writes "model" for "assistant")."""
+    headers: dict = field(default_factory=dict)
+    """Per-role header overriding ``header`` (Phi-3 and Mistral mark roles with their own tokens)."""
+    footers: dict = field(default_factory=dict)
+    """Per-role footer overriding ``footer``."""
+    trim: bool = False
+    """Strip the content's surrounding whitespace (Llama 3, Gemma, Cohere do)."""
+    default_system: str | None = None
+    """System prompt written when the conversation has none (Qwen2.5)."""
+    think_last: bool = False
+    """Qwen3: the last assistant turn after the last user turn starts with an empty <think></think> block."""
+
+    def header_for(self, role: str) -> str:
+        return self.headers.get(role, self.header).replace("{role}", self.rename.get(role, role))
+
+    def footer_for(self, role: str) -> str:
+        return self.footers.get(role, self.footer)
+
+
+_CHATML = TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n")
+_GEMMA = TurnFormat("<start_of_turn>{role}\n", "<end_of_turn>\n", bos=True, system="first_user",
+                    rename={"assistant": "model"}, trim=True)
+_MISTRAL = dict(bos=True, system="first_user", header="", footer="")
+FORMATS: dict[str, TurnFormat] = {
+    "chatml": _CHATML,
+    "qwen_25": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n",
+                          default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
+    "qwen3": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", think_last=True),
+    "qwen3_5": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", think_last=True),
+    "falcon_h1": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", bos=True),
+    "llama3": TurnFormat("<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>", bos=True, trim=True),
+    "llama4": TurnFormat("<|header_start|>{role}<|header_end|>\n\n", "<|eot|>", bos=True, trim=True),
+    "gemma": _GEMMA,
+    "gemma3": _GEMMA,
+    "gemma3n": _GEMMA,
+    "gemma4": TurnFormat("<|turn>{role}\n", "<turn|>\n", bos=True, rename={"assistant": "model"}, trim=True),
+    "phi_3": TurnFormat("<|{role}|>\n", "<|end|>\n", bos=True),
+    "phi_35": TurnFormat("<|{role}|>\n", "<|end|>\n"),
+    "phi_4": TurnFormat("<|im_start|>{role}<|im_sep|>", "<|im_end|>"),
+    "cohere": TurnFormat("<|START_OF_TURN_TOKEN|>{role}", "<|END_OF_TURN_TOKEN|>", bos=True, trim=True,
+                         rename={"system": "<|SYSTEM_TOKEN|>", "user": "<|USER_TOKEN|>",
+                                 "assistant": "<|CHATBOT_TOKEN|>"}),
+    "deepseek_v2": TurnFormat("", "", bos=True, headers={"user": "<｜User｜>", "assistant": "<｜Assistant｜>"},
+                              footers={"system": "\n\n", "assistant": "{eos}"}),
+    "mistral_v1": TurnFormat(**_MISTRAL, headers={"user": " [INST] ", "assistant": " "},
+                             footers={"user": " [/INST]", "assistant": "</s>"}),
+    "mistral_v2v3": TurnFormat(**_MISTRAL, headers={"user": "[INST] ", "assistant": " "},
+                               footers={"user": "[/INST]", "assistant": "</s>"}),
+    "mistral_v3_tekken": TurnFormat(**_MISTRAL, headers={"user": "[INST]"}, footers={"user": "[/INST]",
+                                                                                    "assistant": "</s>"}),
+    "mistral_v7_tekken": TurnFormat("", "", bos=True, headers={"system": "[SYSTEM_PROMPT]", "user": "[INST]"},
+                                    footers={"system": "[/SYSTEM_PROMPT]", "user": "[/INST]", "assistant": "</s>"}),
+}
+# Axolotl names whose templates render images or audio through a processor: not text chat templates.
+MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision", "gemma4_unified")
+
+
+def _q(text: str) -> str:
+    """A Jinja string literal (the eos placeholder becomes the tokenizer's eos_token)."""
+    lit = "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+    return lit.replace("{eos}", "' + eos_token + '")
+
+
+def jinja(fmt: TurnFormat) -> str:
+    """The Jinja template of a TurnFormat (what ``tokenizer.chat_template`` becomes)."""
+    roles = sorted({"system", "user", "assistant", "tool", *fmt.headers, *fmt.footers})
+    parts = ["{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"]
+    if fmt.bos:
+        parts.append("{{ bos_token }}")
+    parts.append("{% set ns = namespace(prefix='', last_user=-1) %}{% set loop_messages = messages %}")
+    if fmt.system == "first_user":
+        parts.append("{% if messages and messages[0]['role'] == 'system' %}{% set ns.prefix = messages[0]"
+                     "['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}{% endif %}")
+    elif fmt.default_system is not None:
+        parts.append("{% if not messages or messages[0]['role'] != 'system' %}" + "{{ " + _q(
+            fmt.header_for("system")) + " + " + _q(fmt.default_system) + " + " + _q(fmt.footer_for("system"))
+            + " }}{% endif %}")
+    parts.append("{% for m in loop_messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}"
+                 "{% endif %}{% endfor %}")
+    content = "(m['content'] | trim)" if fmt.trim else "m['content']"
+    parts.append("{% for m in loop_messages %}{% set c = " + content + " %}"
+                 "{% if m['role'] == 'user' and ns.prefix %}{% set c = ns.prefix + c %}{% set ns.prefix = '' %}"
+                 "{% endif %}")
+    for i, role in enumerate(roles):
+        keyword = "if" if i == 0 else "elif"
+        think = ""
+        if fmt.think_last and role == "assistant":
+            think = " + ('<think>\\n\\n</think>\\n\\n' if loop.index0 > ns.last_user and loop.last else '')"
+        parts.append("{% " + keyword + f" m['role'] == '{role}' %}}{{{{ {_q(fmt.header_for(role))}{think} + c + "
+                     f"{_q(fmt.footer_for(role))} }}}}")
+    parts.append("{% else %}{{ " + _q(fmt.header).replace("{role}", "' + m['role'] + '") + " + c + "
+                 + _q(fmt.footer) + " }}{% endif %}{% endfor %}")
+    parts.append("{% if add_generation_prompt %}{{ " + _q(fmt.header_for("assistant")) + " }}{% endif %}")
+    return "".join(parts)
+
+
+def template_problem(name) -> str | None:
+    """Why ``chat_template: name`` cannot be used (None when it can): read at the config stage."""
+    if name in (None, "tokenizer_default", "jinja") or name in FORMATS:
+        return None
+    base = name.removeprefix("tokenizer_default_fallback_") if isinstance(name, str) else name
+    if base in FORMATS:
+        return None
+    if base in MULTIMODAL:
+        return (f"chat_template={name!r} renders images/audio through a processor; nd-parallel train reads text "
+                f"conversations: use one of the text templates ({', '.join(sorted(FORMATS))})")
+    return (f"chat_template={name!r} is not a chat template nd-parallel train knows; use tokenizer_default, "
+            f"tokenizer_default_fallback_<name>, jinja (with chat_template_jinja) or one of: "
+            f"{', '.join(sorted(FORMATS))}")
+
+
+def resolve_template(name: str | None, inline: str | None, tokenizer) -> str | None:
+    """The Jinja text to set on the tokenizer (None: keep the tokenizer's own)."""
+    if name is None and inline:
+        name = "jinja"
+    if name in (None, "tokenizer_default"):
+        return None
+    if name == "jinja":
+        if not inline:
+            raise ConfigError("chat_template: jinja needs chat_template_jinja: '{% for message in messages %}...' "
+                              "(a template, or the path of a .jinja file)")
+        if os.path.isfile(inline):  # Axolotl: a path to a template file is read
+            with open(inline, encoding="utf-8") as f:
+                return f.read()
+        return inline
+    if name.startswith("tokenizer_default_fallback_"):
+        if getattr(tokenizer, "chat_template", None):
+            return None
+        name = name.removeprefix("tokenizer_default_fallback_")
+    problem = template_problem(name)
+    if problem:
+        raise ConfigError(problem)
+    return jinja(FORMATS[name])

@@ -1,0 +1,109 @@
+"""The test YAMLs of tests/axolotl_configs/ TRAIN on 2 CPU ranks under the layout each names (FSDP2, DDP, TP2, PP2,
+CP2; a DeepSpeed json or FSDP1 list runs as FSDP2), each on a tiny local model of the family it names and synthetic
+local data in the record format its dataset `type` expects: chat templates, Alpaca, completion, pretraining.
+
+All runs share ONE 2-rank launch (2 optimizer steps each), built exactly as `nd-parallel train` builds them, with
+the working directory at a folder that holds the YAMLs' relative paths (./models/<family>, ./data/..., as Axolotl
+resolves them). Parity with one process is proven for these layouts by test_train_yaml_parity.py; here each
+Axolotl config must train: two finite logged losses, the model or adapter saved, and frozen parameters
+(unfrozen_parameters) left as they were.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nd_parallel.testing.models import make_text, save_tiny_model
+from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
+
+CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
+# 15 of the 22 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
+TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
+           "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
+           "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining"]
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
+            "qwen3_moe", "lfm2")  # the families TRAINED names
+
+
+def _marker_tokens() -> list[str]:
+    """Every turn marker the named templates write and the YAMLs' special tokens, as single tokens."""
+    from nd_parallel.cli.train.data.templates import FORMATS
+
+    text = " ".join(f"{f.header} {f.footer} {' '.join(f.headers.values())} {' '.join(f.footers.values())} "
+                    f"{' '.join(f.rename.values())}" for f in FORMATS.values())
+    found = set(re.findall(r"<[^<>\s]+>|\[/?[A-Z_]+\]", text)) | {"<think>", "</think>", "<|end_of_text|>",
+                                                                  "<|endoftext|>", "<|finetune_right_pad|>"}
+    return sorted(found - {"<s>", "</s>", "<pad>", "<unk>"})
+
+
+def _write_workspace(root: Path) -> None:
+    from nd_parallel.testing.tokenizer import train_tiny_tokenizer
+
+    lines = make_text(160, seed=3)
+    tokenizer = train_tiny_tokenizer(lines, vocab_size=180)
+    tokenizer.add_special_tokens({"additional_special_tokens": _marker_tokens()})
+    assert len(tokenizer) <= 256, len(tokenizer)
+    for family in FAMILIES:
+        save_tiny_model(family, root / "models" / family, seed=1)
+        tokenizer.save_pretrained(root / "models" / family)
+    (root / "models" / "lfm2" / "chat_template.jinja").unlink(missing_ok=True)  # no template: the fallback applies
+    config = json.loads((root / "models" / "lfm2" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (root / "models" / "lfm2" / "tokenizer_config.json").write_text(json.dumps(config))
+    data = root / "data"
+    data.mkdir()
+    (data / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:120]))
+    alpaca = [{"instruction": lines[i], "input": lines[i + 1] if i % 2 else "", "output": lines[i + 2]}
+              for i in range(0, 120, 3)]
+    (data / "alpaca.json").write_text(json.dumps(alpaca))
+    share, msgs = [], []
+    for i in range(0, 120, 4):
+        turns = [("system", "be brief"), ("user", lines[i]), ("assistant", lines[i + 1]), ("user", lines[i + 2]),
+                 ("assistant", lines[i + 3])]
+        names = {"user": "human", "assistant": "gpt", "system": "system"}
+        share.append({"conversations": [{"from": names[r], "value": c} for r, c in turns]})
+        msgs.append({"messages": [{"role": r, "content": c} for r, c in turns[1:]]})  # alternating, no system
+    (data / "chat_sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in share))
+    (data / "chat_messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in msgs))
+    (root / "templates").mkdir()
+    shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("axolotl_configs")
+    _write_workspace(root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)  # the YAMLs' relative paths start at the working directory, as in Axolotl
+        for name in TRAINED:
+            shutil.copy(CONFIGS / f"{name}.yml", root / f"{name}.yml")
+        jobs = jobs_for([root / f"{name}.yml" for name in TRAINED], root / "work", nproc=2)
+        run_jobs(jobs, root / "work", nproc=2, timeout=600)
+    return root, {job.name: job for job in jobs}
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_axolotl_config_trains_on_two_cpu_ranks(runs, name):
+    root, jobs = runs
+    out = Path(jobs[name].train.output_dir)
+    losses = [row["loss"] for row in logged(out)]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))), (name, losses)
+    assert saved_tensors(out), f"{name}: nothing saved in {out}"
+
+
+def test_unfrozen_parameters_train_only_those(runs):
+    root, jobs = runs
+    from safetensors.torch import load_file
+
+    before = load_file(str(root / "models" / "mixtral" / "model.safetensors"))
+    after = saved_tensors(jobs["mixtral_unfrozen"].train.output_dir)
+    common = set(before) & set(after)  # the experts may be saved under another (fused) layout: compare the rest
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"} <= common
+    changed = {k for k in common if not torch.equal(before[k], after[k])}
+    assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed
+    assert changed <= {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight"}, changed

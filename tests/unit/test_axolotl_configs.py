@@ -1,0 +1,143 @@
+"""Axolotl's keys with Axolotl's meanings, read by `nd-parallel train` in one process (no ranks): every test YAML
+under tests/axolotl_configs/ passes the config stage; attention, DeepSpeed, FSDP1, plugin keys are mapped; the
+named chat templates train the tokens Axolotl trains; refusals (all of them) come in one message."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nd_parallel.cli.train.config import load_train_config
+from nd_parallel.config import ConfigError
+from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
+
+CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
+YAMLS = sorted(CONFIGS.glob("*.yml"))
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[p.stem for p in YAMLS])
+def test_every_test_yaml_passes_the_config_stage(path):
+    cfg = load_train_config(path, environ={})
+    assert cfg.datasets and cfg.max_steps == 2
+
+
+def test_attention_keys_resolve_with_one_line_on_cpu():
+    by_name = {p.stem: load_train_config(p, environ={}) for p in YAMLS}
+    llama = by_name["llama3_lora_fsdp2"]  # attn_implementation: flash_attention_2 on a CPU machine
+    assert llama.attn_implementation == "sdpa"
+    assert any(n.startswith("attention: flash_attention_2 needs a CUDA kernel") for n in llama.notes)
+    assert any("Liger's Triton kernels need a GPU" in n for n in llama.notes)
+    assert by_name["mistral_fsdp1_alpaca"].attn_implementation == "sdpa"  # flash_attention: true (older key)
+    assert by_name["gemma_chat_fsdp2"].attn_implementation == "eager"
+    qwen3 = by_name["qwen3_chat_tp2"]
+    assert any("use_reentrant=true" in n for n in qwen3.notes) and qwen3.parallel.tp_size == 2
+
+
+def test_deepspeed_and_fsdp1_map_to_fsdp2():
+    by_name = {p.stem: load_train_config(p, environ={}) for p in YAMLS}
+    for name in ("gemma3_chat_zero3", "gemma3n_template", "phi3_chat_zero2", "mistral_fsdp1_alpaca"):
+        assert by_name[name].parallel.dp_shard_size == -1, name
+    assert any("ZeRO-3 mapped to FSDP2" in n for n in by_name["gemma3_chat_zero3"].notes)
+    assert by_name["mistral_fsdp1_alpaca"].parallel.activation_checkpointing == "full"
+
+
+def _write(tmp_path, extra: str) -> Path:
+    path = tmp_path / "c.yml"
+    path.write_text("base_model: ./m\ndatasets:\n  - path: ./d.jsonl\n    type: chat_template\n" + extra)
+    return path
+
+
+def test_every_refusal_comes_in_one_message(tmp_path):
+    """Keys, values, fsdp_config, deepspeed and datasets entries: one ConfigError lists all, each with its fix."""
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "optimizer": {"type": "Lion"}}))
+    path = tmp_path / "c.yml"
+    path.write_text(f"""base_model: ./m
+chat_template: vicuna_v9
+liger_rope: true
+expert_parallel_size: 2
+optimizer: lion
+deepspeed: {tmp_path / 'ds.json'}
+gradient_checkpointing_kwargs: {{preserve_rng_state: false}}
+datasets:
+  - path: ./d.jsonl
+    type: chat_template
+    split: train[:x]
+    train_on_eos: sometimes
+""")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    for needle in ("chat_template='vicuna_v9' is not a chat template nd-parallel train knows", "chatml, cohere",
+                   "unknown key 'liger_rope'", "plugin axolotl.integrations.liger.LigerPlugin",
+                   "unknown key 'expert_parallel_size'", "optimizer='lion'", "split='train[:x]' is not a split",
+                   "sets optimizer, which nd_parallel has no equivalent", "preserve_rng_state",
+                   "datasets[0].train_on_eos='sometimes'"):
+        assert needle in message, (needle, message)
+    assert message.count("\n  - ") == 8 and "8 setting(s) cannot be used" in message, message
+
+
+def test_bad_input_named_with_file_key_and_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"chat_template='llama9'.*use tokenizer_default.*llama3, llama4"):
+        load_train_config(_write(tmp_path, "chat_template: llama9\n"), environ={})
+    with pytest.raises(ConfigError, match=r"deepspeed='zero9.json'.*not one of Axolotl's deepspeed_configs.*"
+                                          r"dp_shard_size: -1"):
+        load_train_config(_write(tmp_path, "deepspeed: zero9.json\n"), environ={})
+    with pytest.raises(ConfigError, match=r"expert_parallel_size=2: expert parallelism is not supported yet"):
+        load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin]"
+                                           "\nexpert_parallel_size: 2\n"), environ={})
+    with pytest.raises(ConfigError, match=r"fsdp: 'hybrid_shard': set dp_replicate_size"):
+        load_train_config(_write(tmp_path, "fsdp: [hybrid_shard, auto_wrap]\n"), environ={})
+    with pytest.raises(ConfigError, match=r"chat_template='qwen2_vl' renders images"):
+        load_train_config(_write(tmp_path, "chat_template: qwen2_vl\n"), environ={})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_model_and_data(tmp_path_factory.mktemp("axo_data"), n=24)
+
+
+def _trained(tmp_path, data, **keys):
+    from nd_parallel.cli.train.data import load_prepared, prepare
+
+    cfg = load_train_config(write_yaml(tmp_path / "d.yml", {"base_model": data["model"], "sequence_len": 256,
+                                                            **keys}), environ={})
+    rows, _, tok = load_prepared(prepare(cfg, tmp_path / "work").path)
+    return [tok.decode([t for t, lab in zip(r["input_ids"], r["labels"]) if lab != -100]) for r in rows], rows, tok
+
+
+def test_split_slices_and_out_of_range_is_refused(tmp_path, data):
+    entry = {"path": data["text"], "type": "completion"}
+    rows = _trained(tmp_path, data, datasets=[{**entry, "split": "train[:25%]"}])[1]
+    assert len(rows) == 6  # 25% of 24 records
+    rows = _trained(tmp_path, data, datasets=[{**entry, "split": "train[10:14]"}])[1]
+    assert len(rows) == 4
+    with pytest.raises(ConfigError, match=r"text.jsonl: split='train\[:500\]' asks for row 500, but the data has 24 "
+                                          r"rows; use a bound within 24 rows"):
+        _trained(tmp_path, data, datasets=[{**entry, "split": "train[:500]"}])
+
+
+@pytest.mark.parametrize("template,want", [
+    ("llama3", "{a}<|eot_id|>"), ("gemma", "{a}<end_of_turn>"), ("phi_3", "{a}<|end|>"), ("chatml", "{a}<|im_end|>"),
+    ("mistral_v2v3", "{a}</s>")])
+def test_named_templates_train_the_answer_and_its_end_of_turn(tmp_path, data, template, want):
+    """One user turn, one assistant turn: the answer and the first eot_tokens token after it are trained, the
+    header, the prompt and the separators are not (Axolotl's roles_to_train / train_on_eos: turn)."""
+    turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "a short answer"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    eot = want.format(a="")
+    trained, _, _ = _trained(tmp_path, data, chat_template=template, eot_tokens=[eot], tokens=[eot],
+                             datasets=[{"path": str(tmp_path / "c.jsonl"), "type": "chat_template"}])
+    assert trained == [want.format(a="a short answer")]
+
+
+def test_drop_system_message_and_jinja_file(tmp_path, data):
+    shutil.copy(CONFIGS / "turns.jinja", tmp_path / "t.jinja")
+    turns = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "yo"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    entry = {"path": str(tmp_path / "c.jsonl"), "type": "chat_template", "drop_system_message": True,
+             "train_on_eos": "all"}
+    trained, rows, tok = _trained(tmp_path, data, chat_template="jinja", chat_template_jinja=str(tmp_path / "t.jinja"),
+                                  datasets=[entry])
+    assert "sys" not in tok.decode(rows[0]["input_ids"]) and trained == ["</s>yo</s>"]
