@@ -91,6 +91,16 @@ LAUNCHES = {
         "ulysses2": L(cp_size=2, cp_backend="ulysses"),
         "cp2_packed": L(cp_size=2, samples=PACKED),
     }),
+    # Expert parallelism (ep borrows ranks from dp_shard): alone, with the experts FSDP-sharded over the dp ranks
+    # left, and under HSDP. The same launch holds every MoE family.
+    "ep2r": (2, 2, {
+        "ep2": L(dp_shard_size=2, ep_size=2),
+    }),
+    "ep4r": (4, 2, {
+        "ep4": L(dp_shard_size=4, ep_size=4),
+        "ep2_fsdp2": L(dp_shard_size=4, ep_size=2),
+        "ep2_hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, ep_size=2),
+    }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
         "tp2": L(4, tp_size=2),
@@ -109,6 +119,8 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
             "pp4r": ["llama", "qwen3", "mistral"],
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
+            "ep2r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"],
+            "ep4r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
 # Family names that are a family with config overrides. use_cache=False: transformers then masks packed
@@ -117,7 +129,17 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
 VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocache": ("llama", dict(use_cache=False)),
             # Attention sinks (s_aux) on every layer, a window of 8 on every other one; a small MoE (4 experts, top 2).
             "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-            "opt": ("opt", dict(dropout=0.0))}  # OPT's default dropout 0.1 would differ per process
+            "opt": ("opt", dict(dropout=0.0)),
+            # MoE families with 4 experts (ep 4 holds one per rank), top 2; every layer sparse (deepseek_v3's default
+            # first dense layers would leave nothing to split); deepseek_v3's group routing over one group, and its
+            # MLA attention (every head its own kv head) at tiny sizes.
+            "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+            "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+            "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+            "deepseek_v3": ("deepseek_v3", dict(
+                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+                moe_intermediate_size=32, num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, head_dim=8))}  # OPT's default dropout 0.1 would differ per process
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 
