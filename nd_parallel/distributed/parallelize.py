@@ -48,7 +48,7 @@ from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
 
-from . import activation_checkpoint, context_parallel, expert_parallel, tensor_parallel, transformers_tp
+from . import activation_checkpoint, context_parallel, expert_parallel, router_loss, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
@@ -97,6 +97,7 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
     if config.tp_size > 1:
         tensor_parallel.check_model(model, config)
     expert_parallel.check_model(model, config)
+    router_loss.check_model(model, config)
 
 
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,

@@ -111,7 +111,8 @@ EXCLUDE = {("gpt2", "tp2")}  # gpt2 has no tp_plan: refused, see tests/unit/test
 # (OPT's final norm before its layers, learned positions): their row is PP2. None has a tp_plan, and FSDP2 changes
 # nothing these families do differently from the others, so those rows would only cost time.
 EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")}
-EXCLUDE |= {(f, n) for f in ("deepseek_v3", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")} | {("qwen3_moe", "ep2_hsdp2x2")}
+EXCLUDE |= {(f, n) for f in ("deepseek_v3", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")}
+EXCLUDE |= {("qwen3_moe", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
@@ -119,7 +120,7 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
             "pp4r": ["llama", "qwen3", "mistral"],
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
-            "ep4r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"],
+            "ep4r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
 # Family names that are a family with config overrides. use_cache=False: transformers then masks packed
@@ -133,6 +134,10 @@ VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocach
             # first dense layers would leave nothing to split); deepseek_v3's group routing over one group, and its
             # MLA attention (every head its own kv head) at tiny sizes.
             "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+            # The router's load-balancing loss, weighted enough that a per-rank value (about dp times one process's)
+            # would fail the loss check by far.
+            "mixtral_aux": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                            router_aux_loss_coef=0.05)),
             "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
             "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
             "deepseek_v3": ("deepseek_v3", dict(

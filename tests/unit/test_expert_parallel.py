@@ -93,3 +93,12 @@ def test_experts_found_from_the_ep_plan_and_from_the_structure_alike(family):
 
 def test_dense_model_has_no_experts():
     assert expert_modules(model_of("llama")) == [] and num_experts(model_of("llama")) is None
+
+
+@pytest.mark.parametrize("sizes", [dict(cp_size=2), dict(pp_size=2)])
+def test_router_loss_refused_where_it_is_not_made_global(sizes):
+    model = model_of("mixtral", output_router_logits=True)
+    plugin = NDParallelPlugin(ParallelismConfig(**sizes)).attach(fake_accelerator(2))
+    name = next(iter(sizes))
+    with pytest.raises(NotImplementedError, match=rf"output_router_logits=True .* with {name}=2 is not supported yet"):
+        plugin.prepare(model)
