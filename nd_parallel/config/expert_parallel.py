@@ -28,9 +28,9 @@ class ExpertParallelOptions:
                 f"from the sharded data-parallel ranks, so ep_size must divide dp_shard_size; use ep_size in "
                 f"{divisors}, or a dp_shard_size that is a multiple of {self.ep_size}")
         # Not composed yet: refused here, before any process group, rather than run with a wrong result.
-        for name, what in (("tp_size", "tensor"), ("pp_size", "pipeline"), ("cp_size", "context")):
+        for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
             if getattr(self, name) > 1:
                 raise ConfigError(
                     f"ep_size={self.ep_size} with {name}={getattr(self, name)} is not supported yet: expert "
-                    f"parallelism composes with FSDP/HSDP only; set {name}=1, or ep_size=1 to use {what} "
-                    "parallelism on the MoE model")
+                    f"parallelism composes with FSDP/HSDP and pipeline parallelism only; set {name}=1, or ep_size=1 "
+                    f"to use {what} parallelism on the MoE model")
