@@ -9,7 +9,8 @@ from .checks import ConfigError, _check_count
 
 @dataclass(kw_only=True)
 class ExpertParallelOptions:
-    """Expert parallelism borrows its ranks from dp_shard (as torchtitan does): it adds no rank to the world size."""
+    """Expert parallelism borrows its ranks from dp_shard (torchtitan borrows from dp_shard x cp; here the cp ranks
+    stay outside ep): it adds no rank to the world size."""
 
     ep_size: int = 1
     """Ranks splitting each MoE layer's experts (each holds num_experts / ep_size). Default 1 = off; >= 1, a divisor
@@ -28,9 +29,8 @@ class ExpertParallelOptions:
                 f"from the sharded data-parallel ranks, so ep_size must divide dp_shard_size; use ep_size in "
                 f"{divisors}, or a dp_shard_size that is a multiple of {self.ep_size}")
         # Not composed yet: refused here, before any process group, rather than run with a wrong result.
-        for name, what in (("tp_size", "tensor"), ("cp_size", "context")):
-            if getattr(self, name) > 1:
-                raise ConfigError(
-                    f"ep_size={self.ep_size} with {name}={getattr(self, name)} is not supported yet: expert "
-                    f"parallelism composes with FSDP/HSDP and pipeline parallelism only; set {name}=1, or ep_size=1 "
-                    f"to use {what} parallelism on the MoE model")
+        if self.tp_size > 1:
+            raise ConfigError(
+                f"ep_size={self.ep_size} with tp_size={self.tp_size} is not supported yet: expert parallelism "
+                "composes with FSDP/HSDP, pipeline and context parallelism only; set tp_size=1, or ep_size=1 to use "
+                "tensor parallelism on the MoE model")

@@ -90,9 +90,11 @@ class ParallelMesh:
         """
         if self.experts is None:
             return None
+        # Like fsdp_mesh: the cp ranks hold equal weights, so the experts are sharded over them too.
+        shard = "dp_shard_mod_ep" if self.config.cp_size == 1 else "dp_shard_mod_ep_cp"
         if self.config.dp_replicate_size > 1:
-            return self.experts[("dp_replicate", "dp_shard_mod_ep")]
-        return self.experts["dp_shard_mod_ep"]
+            return self.experts[("dp_replicate", shard)]
+        return self.flat[shard] if shard in self.flat else self.experts[shard]
 
     def describe(self) -> str:
         coords = ", ".join(f"{n}={self.world[n].get_local_rank()}/{self.world[n].size()}" for n in DIM_NAMES)
@@ -117,6 +119,8 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
     if config.ep_size > 1:  # creates the ep and dp_shard_mod_ep groups: a collective, so built here with the rest
         ep = config.ep_size
         experts = world._unflatten(DIM_NAMES.index("dp_shard"), (config.dp_shard_size // ep, ep), EP_DIM_NAMES)
+        if config.cp_size > 1:
+            flat["dp_shard_mod_ep_cp"] = experts[("dp_shard_mod_ep", "cp")]._flatten("dp_shard_mod_ep_cp")
     logger.info("built %s mesh %s over %d ranks%s", device_type, dict(zip(DIM_NAMES, shape)), world_size,
                 f", experts over ep={config.ep_size}" if experts is not None else "")
     return ParallelMesh(config=config, world=world, flat=flat, experts=experts)

@@ -103,6 +103,8 @@ LAUNCHES = {
         "ep2_fsdp2_ac": L(dp_shard_size=4, ep_size=2, activation_checkpointing="full"),
         # each pipeline stage splits the experts of its own layers; the ep group shares the stage and the schedule
         "pp2_ep2": L(4, pp_size=2, dp_shard_size=2, ep_size=2),
+        # sequence shards route like any tokens; the experts are FSDP-sharded over the cp ranks too
+        "cp2_ep2": L(cp_size=2, dp_shard_size=2, ep_size=2),
     }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
@@ -118,7 +120,7 @@ EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")
 EXCLUDE |= {(f, n) for f in ("deepseek_v3", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")}
 EXCLUDE |= {("qwen3_moe", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
 EXCLUDE |= {(f, n) for f in ("qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux")
-            for n in ("ep2_fsdp2_ac", "pp2_ep2")}
+            for n in ("ep2_fsdp2_ac", "pp2_ep2", "cp2_ep2")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],

@@ -45,7 +45,6 @@ def test_ep_size_is_an_option_not_a_size():
     (dict(ep_size=2.0), "write ep_size=2"),
     (dict(dp_shard_size=2, tp_size=2, ep_size=2), "with tp_size=2 is not supported yet"),
     (dict(dp_shard_size=2, pp_size=2, ep_size=2, pp_backend="deepspeed"), "deepspeed"),
-    (dict(dp_shard_size=2, cp_size=2, ep_size=2), "with cp_size=2 is not supported yet"),
 ])
 def test_ep_size_refused_by_the_config(kwargs, needle):
     with pytest.raises(ConfigError) as err:
