@@ -42,6 +42,10 @@ class CompileOptions:
                 "compile=True with tp_size > 1 is not supported yet: gradients of the tensor-parallel layers "
                 "compiled by torch 2.13 do not match eager (a DTensor gradient comes back as a plain tensor); use "
                 "compile=False with TP, or compile with FSDP/HSDP, PP and CP, which match one process")
+        if getattr(self, "ep_size", 1) > 1:
+            raise ConfigError(
+                "compile=True with ep_size > 1 is not supported yet: the experts' all-to-all dispatch has not been "
+                "run inside a compiled layer; use compile=False with expert parallelism")
         if getattr(self, "pp_size", 1) > 1 and getattr(self, "pp_backend", "torch") == "deepspeed":
             raise ConfigError(
                 "compile=True with pp_backend='deepspeed': DeepSpeed's engine builds and runs its own layer modules; "

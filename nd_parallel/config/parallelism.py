@@ -1,8 +1,8 @@
 """`ParallelismConfig`: the degrees and options of an N-D parallel layout, validated before any process group exists.
 
-The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, pipeline.py,
-context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py), so that an option and its check live
-together; the constructor stays flat. Build it from keyword arguments, or from a dict, YAML or the environment with
+The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, expert_parallel.py,
+pipeline.py, context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py), so that an option and its
+check live together; the constructor stays flat. Build it from keyword arguments, or from a dict, YAML or the environment with
 the readers of sources.py, which also states the precedence between them.
 """
 
@@ -21,6 +21,7 @@ from .checkpoint import CheckpointOptions
 from .checks import ConfigError
 from .compile import CompileOptions
 from .context_parallel import ContextParallelOptions
+from .expert_parallel import ExpertParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
 from .pipeline import PipelineOptions
@@ -33,7 +34,7 @@ from .tensor_parallel import TensorParallelOptions
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
 class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, CompileOptions, ActivationCheckpointingOptions,
-                        ContextParallelOptions, PipelineOptions, TensorParallelOptions, Layout):
+                        ContextParallelOptions, PipelineOptions, ExpertParallelOptions, TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
     def __post_init__(self) -> None:
@@ -42,6 +43,7 @@ class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, CompileO
         self._check_layout()
         self._check_pipeline_counts()
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         self._check_pipeline_choices()
         self._check_context_parallel()
         self._check_activation_checkpointing()

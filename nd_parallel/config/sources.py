@@ -33,7 +33,7 @@ AXOLOTL_ALIASES = {"tensor_parallel_size": "tp_size", "context_parallel_size": "
                    "pipeline_parallel_size": "pp_size", "torch_compile": "compile",
                    "torch_compile_backend": "compile_backend"}
 _ENV_PREFIX = "PARALLELISM_CONFIG_"
-_ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "pp_microbatches", "pp_virtual_stages")}
+_ENV_INTS = {name.upper(): name for name in (*SIZE_FIELDS, "ep_size", "pp_microbatches", "pp_virtual_stages")}
 _ENV_STRINGS = {"PP_SCHEDULE": "pp_schedule", "PP_BACKEND": "pp_backend"}
 _ENV_SPECIAL = ("CP_BACKEND", "PP_BALANCE", "CP_LOAD_BALANCE", "SP_SIZE", "SP_BACKEND", "CP_COMM_STRATEGY")
 # Set by accelerate only with sp_size > 1, which SP_SIZE already refuses.

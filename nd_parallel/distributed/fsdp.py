@@ -19,14 +19,21 @@ def apply_fsdp(
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> int:
     """Shard ``model`` in place over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP). Returns the number of groups.
+
+    ``experts`` (split by expert parallelism) get a group of their own over ``expert_mesh``, the dp ranks left
+    after ep, before their layer's group takes the rest of the layer over all of ``dp_mesh``.
 
     Gradients are *summed*, not averaged, across data-parallel ranks: the loss each rank backpropagates is
     already its share of the global-token mean (see ``loss.py``), so the sum is the true gradient.
     """
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     layers = decoder_layers(model)
+    for module in experts:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mesh=expert_mesh))
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root keeps embeddings, final norm and lm_head (tied or not) in one group; they are needed first in

@@ -4,7 +4,8 @@ Each rank's model computes ``sum(local token losses) / N_global`` by passing tra
 as ``num_items_in_batch`` (the hook HF built for gradient accumulation); the reported value is the sum of
 those shares over the ranks, the same number everywhere, while each rank backpropagates only its own share.
 Data-parallel gradients are then *summed* (fsdp.py), which gives exactly the gradient of the global mean —
-also when padding leaves ranks with different numbers of label tokens.
+also when padding leaves ranks with different numbers of label tokens. A MoE model's router load-balancing term
+(``output_router_logits=True``) is made global the same way (router_loss.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import inspect
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from .router_loss import RouterLoss
 
 IGNORE_INDEX = -100
 
@@ -63,6 +66,8 @@ class GlobalTokenLoss:
         self.native = _accepts_num_items(model.forward)
         self._local = None
         self._total = None
+        self._mask = None
+        self.router = RouterLoss.for_model(model)  # None for a dense model
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, with_kwargs=True),
@@ -79,6 +84,7 @@ class GlobalTokenLoss:
         if labels is None:
             self._total = None
             return None
+        self._mask = kwargs.get("attention_mask")
         given = kwargs.get("num_items_in_batch")
         shifted = kwargs.get("shift_labels")  # context parallelism shifts labels before cutting the sequence
         if given is not None:
@@ -101,9 +107,20 @@ class GlobalTokenLoss:
         if self._total is None or getattr(output, "loss", None) is None:
             return None
         share = output.loss
+        aux = getattr(output, "aux_loss", None)
+        routed = isinstance(aux, torch.Tensor) and self.router is not None and bool(getattr(output, "router_logits",
+                                                                                              None))
+        if routed:
+            # The model added its rank-local load-balancing term: replaced by this rank's share of the global one
+            # (router_loss.py), after the rescaling below, which is for the token-mean term only.
+            aux_share, aux_global = self.router.share(output.router_logits, self._mask, aux, self.group)
+            share = share - self.router.coef * aux
         if not self.native:
             # The model averaged over its own tokens: rescale that mean into this rank's share.
             share = share * (self._local.to(share.dtype) / self._total.to(share.dtype))
+        if routed:
+            share = share + self.router.coef * aux_share.to(share.dtype)
+            output.aux_loss = aux_global
         output.loss = global_value_local_grad(share, self.group)
         self._total = None
         return output

@@ -20,6 +20,8 @@ from nd_parallel.config import ParallelismConfig
 logger = logging.getLogger(__name__)
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Expert parallelism borrows its ranks from dp_shard: dp_shard = dp_shard_mod_ep x ep (see ParallelMesh.experts).
+EP_DIM_NAMES = ("dp_shard_mod_ep", "ep")
 
 # Flattened views: name -> the mesh dims it spans. Built eagerly in build_mesh because flattening
 # creates process groups, which is a collective every rank must enter in the same order.
@@ -42,12 +44,17 @@ class ParallelMesh:
     config: ParallelismConfig
     world: DeviceMesh
     flat: dict[str, DeviceMesh]
+    experts: DeviceMesh | None = None
+    """With ep_size > 1: the world mesh with dp_shard split into (dp_shard_mod_ep, ep), ep innermost so that an
+    ep group is made of neighbouring ranks (the all-to-all stays within a node where it can)."""
 
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         # Flattened views are kept as _flatten returned them: slicing them back out of the root mesh is
         # deprecated in torch.
         if isinstance(name, str) and name in self.flat:
             return self.flat[name]
+        if self.experts is not None and name in EP_DIM_NAMES:
+            return self.experts[name]
         return self.world[name]
 
     @property
@@ -75,6 +82,20 @@ class ParallelMesh:
             return self.world[("dp_replicate", shard)]
         return self[shard]
 
+    @cached_property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """Mesh the experts are FSDP-sharded over: the dp ranks left after ep (1-D, or 2-D with dp_replicate).
+
+        As torchtitan: the experts are split over ep and sharded over the rest, the other weights over all of dp.
+        """
+        if self.experts is None:
+            return None
+        # Like fsdp_mesh: the cp ranks hold equal weights, so the experts are sharded over them too.
+        shard = "dp_shard_mod_ep" if self.config.cp_size == 1 else "dp_shard_mod_ep_cp"
+        if self.config.dp_replicate_size > 1:
+            return self.experts[("dp_replicate", shard)]
+        return self.flat[shard] if shard in self.flat else self.experts[shard]
+
     def describe(self) -> str:
         coords = ", ".join(f"{n}={self.world[n].get_local_rank()}/{self.world[n].size()}" for n in DIM_NAMES)
         return f"rank {dist.get_rank()}: {coords}"
@@ -94,8 +115,15 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
     shape = tuple(getattr(config, f"{n}_size") for n in DIM_NAMES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
     flat = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
-    logger.info("built %s mesh %s over %d ranks", device_type, dict(zip(DIM_NAMES, shape)), world_size)
-    return ParallelMesh(config=config, world=world, flat=flat)
+    experts = None
+    if config.ep_size > 1:  # creates the ep and dp_shard_mod_ep groups: a collective, so built here with the rest
+        ep = config.ep_size
+        experts = world._unflatten(DIM_NAMES.index("dp_shard"), (config.dp_shard_size // ep, ep), EP_DIM_NAMES)
+        if config.cp_size > 1:
+            flat["dp_shard_mod_ep_cp"] = experts[("dp_shard_mod_ep", "cp")]._flatten("dp_shard_mod_ep_cp")
+    logger.info("built %s mesh %s over %d ranks%s", device_type, dict(zip(DIM_NAMES, shape)), world_size,
+                f", experts over ep={config.ep_size}" if experts is not None else "")
+    return ParallelMesh(config=config, world=world, flat=flat, experts=experts)
 
 
 def single_process_group(device_type: str) -> None:

@@ -15,10 +15,13 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
    config. CP changes no weight: its ranks hold equal weights, so FSDP shards over them too (``mesh.fsdp_mesh``).
 6. **Pipeline split** (torch backend): this rank's stage modules, HF names kept. DeepSpeed's engine instead splits,
    shards and schedules by itself after activation checkpointing is applied to the whole model.
-7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> compile (``compile=True``) ->
-   activation checkpointing -> FSDP/HSDP with the precision policy.
+7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> EP -> compile (``compile=True``)
+   -> activation checkpointing -> FSDP/HSDP with the precision policy.
 
    - TP first: it must see plain ``nn.Linear`` weights to split them.
+   - EP next (``expert_parallel``): the experts' stacked weights become ep-sharded DTensors and their calls go
+     through the all-to-all dispatch; FSDP then gives the experts a group of their own over the dp ranks left
+     after ep (``mesh.expert_fsdp_mesh``), so it must come after EP and see the experts' DTensors.
    - Checkpointing next: the recomputed region then holds TP's functional collectives, and FSDP's all-gather
      hooks, added after, stay outside the region and are not repeated by the recomputation.
    - FSDP last: it shards whatever TP left (a TP-sharded weight becomes a 2-D DTensor) and casts for compute.
@@ -45,7 +48,7 @@ from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
 
-from . import activation_checkpoint, context_parallel, tensor_parallel, transformers_tp
+from . import activation_checkpoint, context_parallel, expert_parallel, router_loss, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile, check_backend
 from .fsdp import apply_fsdp
@@ -96,11 +99,13 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
         context_parallel.check_model(model, config, device_type)
     if config.tp_size > 1:
         tensor_parallel.check_model(model, config)
+    expert_parallel.check_model(model, config)
+    router_loss.check_model(model, config)
 
 
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,
                      mp_policy: MixedPrecisionPolicy | None = None, compile_backend: str | None = None) -> nn.Module:
-    """Step 7 on one model part, in place: TP -> compile -> activation checkpointing -> FSDP/HSDP (+ precision
+    """Step 7 on one model part, in place: TP -> EP -> compile -> activation checkpointing -> FSDP/HSDP (+ precision
     policy). ``compile_backend``: compile each decoder layer with it (compile.py says why there in the order).
 
     ``mesh`` may be None for a single process that only checkpoints activations.
@@ -108,6 +113,7 @@ def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_c
     config = mesh.config if mesh is not None else None
     if config is not None and config.tp_size > 1:
         apply_tp(part, mesh["tp"], plan_overrides=config.tp_plan)
+    experts = expert_parallel.apply_ep(part, mesh["ep"]) if config is not None and config.ep_size > 1 else []
     if compile_backend is not None:
         apply_compile(part, compile_backend)
     every = config.activation_checkpointing_every if config is not None else 1
@@ -117,7 +123,7 @@ def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_c
     if mesh is not None:
         dp_mesh = mesh.fsdp_mesh if mesh.fsdp_mesh is not None else (mesh["dp_shard"] if mp_policy else None)
         if dp_mesh is not None:
-            apply_fsdp(part, dp_mesh, mp_policy=mp_policy)
+            apply_fsdp(part, dp_mesh, mp_policy=mp_policy, experts=experts, expert_mesh=mesh.expert_fsdp_mesh)
     return part
 
 

@@ -94,6 +94,21 @@ LAUNCHES = {
         "ulysses2": L(cp_size=2, cp_backend="ulysses"),
         "cp2_packed": L(cp_size=2, samples=PACKED),
     }),
+    # Expert parallelism (ep borrows ranks from dp_shard): alone (one expert per rank), with the experts
+    # FSDP-sharded over the dp ranks left, and under HSDP. One launch, to stay within the suite's time: every MoE
+    # family runs ep4, the three main ones the compositions (EP2 alone on 2 ranks would add a launch and no path
+    # that ep4 does not take).
+    "ep4r": (4, 2, {
+        "ep4": L(dp_shard_size=4, ep_size=4),
+        "ep2_fsdp2": L(dp_shard_size=4, ep_size=2),
+        "ep2_hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, ep_size=2),
+        # recomputation repeats the layer's two all-to-alls in backward, in the same order on every rank
+        "ep2_fsdp2_ac": L(dp_shard_size=4, ep_size=2, activation_checkpointing="full"),
+        # each pipeline stage splits the experts of its own layers; the ep group shares the stage and the schedule
+        "pp2_ep2": L(4, pp_size=2, dp_shard_size=2, ep_size=2),
+        # sequence shards route like any tokens; the experts are FSDP-sharded over the cp ranks too
+        "cp2_ep2": L(cp_size=2, dp_shard_size=2, ep_size=2),
+    }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
         "tp2": L(4, tp_size=2),
@@ -108,6 +123,10 @@ EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")
 # compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): one
 # family per composition, since compiling costs seconds per rank and the families add nothing compile-specific.
 EXCLUDE |= {(f, n) for f in ("qwen3", "mistral", "gemma") for n in ("fsdp2_compile", "pp2_compile", "cp2_compile")}
+EXCLUDE |= {(f, n) for f in ("deepseek_v3", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")}
+EXCLUDE |= {("qwen3_moe", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
+EXCLUDE |= {(f, n) for f in ("qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux")
+            for n in ("ep2_fsdp2_ac", "pp2_ep2", "cp2_ep2")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
@@ -115,6 +134,7 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
             "pp4r": ["llama", "qwen3", "mistral"],
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
+            "ep4r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
 # Family names that are a family with config overrides. use_cache=False: transformers then masks packed
@@ -123,7 +143,21 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
 VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocache": ("llama", dict(use_cache=False)),
             # Attention sinks (s_aux) on every layer, a window of 8 on every other one; a small MoE (4 experts, top 2).
             "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-            "opt": ("opt", dict(dropout=0.0))}  # OPT's default dropout 0.1 would differ per process
+            "opt": ("opt", dict(dropout=0.0)),
+            # MoE families with 4 experts (ep 4 holds one per rank), top 2; every layer sparse (deepseek_v3's default
+            # first dense layers would leave nothing to split); deepseek_v3's group routing over one group, and its
+            # MLA attention (every head its own kv head) at tiny sizes.
+            "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+            # The router's load-balancing loss, weighted enough that a per-rank value (about dp times one process's)
+            # would fail the loss check by far.
+            "mixtral_aux": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                            router_aux_loss_coef=0.05)),
+            "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+            "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+            "deepseek_v3": ("deepseek_v3", dict(
+                n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
+                moe_intermediate_size=32, num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, head_dim=8))}  # OPT's default dropout 0.1 would differ per process
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 
