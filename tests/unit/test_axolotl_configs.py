@@ -83,7 +83,9 @@ def test_bad_input_named_with_file_key_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"deepspeed='zero9.json'.*not one of Axolotl's deepspeed_configs.*"
                                           r"dp_shard_size: -1"):
         load_train_config(_write(tmp_path, "deepspeed: zero9.json\n"), environ={})
-    with pytest.raises(ConfigError, match=r"expert_parallel_size=2: expert parallelism is not supported yet"):
+    # Axolotl's key reaches ParallelismConfig's ep_size, and its own check answers (a one-rank world has no dp
+    # ranks for ep to borrow)
+    with pytest.raises(ConfigError, match=r"ep_size=2 does not fit dp_shard_size=1.*ep_size must divide"):
         load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin]"
                                            "\nexpert_parallel_size: 2\n"), environ={})
     with pytest.raises(ConfigError, match=r"fsdp: 'hybrid_shard': set dp_replicate_size"):

@@ -55,8 +55,16 @@ def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop():
 
     from nd_parallel.distributed.mesh import single_process_group
 
+    import torch.distributed as dist
+
     single_process_group("cpu")
-    mesh = DeviceMesh("cpu", [0])
+    try:
+        _mixed_and_pure(DeviceMesh("cpu", [0]), distribute_tensor, Replicate)
+    finally:
+        dist.destroy_process_group()  # later tests expect no process group
+
+
+def _mixed_and_pure(mesh, distribute_tensor, Replicate):
     shared = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
     plain = torch.nn.Parameter(torch.randn(4))
     mixed = torch.optim.AdamW([shared, plain])
