@@ -1,7 +1,7 @@
 """`ParallelismConfig`: the degrees and options of an N-D parallel layout, validated before any process group exists.
 
 The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, pipeline.py,
-context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py), so that an option and its check live
+context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py, loss.py), so that an option and its check live
 together; the constructor stays flat. Build it from keyword arguments, or from a dict, YAML or the environment with
 the readers of sources.py, which also states the precedence between them.
 """
@@ -22,6 +22,7 @@ from .checks import ConfigError
 from .context_parallel import ContextParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
+from .loss import LossOptions
 from .pipeline import PipelineOptions
 from .tensor_parallel import TensorParallelOptions
 
@@ -31,7 +32,7 @@ from .tensor_parallel import TensorParallelOptions
 # Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, ActivationCheckpointingOptions,
+class ParallelismConfig(AccelerateAPI, LossOptions, CheckpointOptions, FaultOptions, ActivationCheckpointingOptions,
                         ContextParallelOptions, PipelineOptions, TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
@@ -48,6 +49,7 @@ class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, Activati
         self._check_checkpoint()
         self._check_nonfinite()
         self._check_pipeline()
+        self._check_loss()
         self._check_accelerate_api()
 
     def to_dict(self) -> dict[str, Any]:
