@@ -145,8 +145,9 @@ def shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> 
 
 
 def _reproduces(probe: _HeadProbe, hidden: torch.Tensor, logits: torch.Tensor | None) -> bool:
-    """Whether the probe gives the logits the real forward gave for the last position (checked once)."""
-    if logits is None:
+    """Whether the probe gives the logits the real forward gave for the last position (checked once). The two run
+    the same code on the same inputs, so they agree on any values (NaN too) unless the forward does something else."""
+    if logits is None or hidden is None:
         return False
     try:
         with torch.no_grad():
@@ -157,7 +158,55 @@ def _reproduces(probe: _HeadProbe, hidden: torch.Tensor, logits: torch.Tensor | 
     if hasattr(mine, "full_tensor"):  # DTensor logits (a vocabulary-sharded head): compare the whole
         mine, logits = mine.full_tensor(), logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     return mine.shape == logits.shape and bool(torch.allclose(mine.float(), logits.detach().float(),
-                                                              rtol=1e-5, atol=1e-6))
+                                                              rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+class ChunkedHead:
+    """The decoder's output and the chunked loss of one causal LM (or one pipeline stage's copy of it).
+
+    ``run(forward_kwargs)`` calls the model's own forward asking for the last position's logits only and returns
+    ``(output, hidden)``; the first call checks that the head can be run on chunks (``enabled``).
+    ``loss(hidden, targets, num_items)`` is the chunked cross-entropy through the model's head.
+    """
+
+    def __init__(self, model: nn.Module, forward: Callable, chunk: int):
+        self.model, self.forward, self.chunk = model, forward, chunk
+        self.slot = decoder_slot(model)
+        self.enabled = self.slot is not None and "logits_to_keep" in inspect.signature(forward).parameters
+        self.checked = not self.enabled
+        if not self.enabled:
+            logger.info("chunked loss off for %s: no decoder slot or no logits_to_keep; it uses its own loss",
+                        type(model).__name__)
+            return
+        self.probe = _HeadProbe(model, forward, self.slot)
+        self._hidden: torch.Tensor | None = None
+        self._capture = False
+        self.handle = model._modules[self.slot].register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output):
+        if self._capture:
+            self._hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def run(self, **kwargs):
+        self._capture = True
+        try:
+            out = self.forward(**kwargs, logits_to_keep=1)
+        finally:
+            self._capture = False
+        hidden, self._hidden = self._hidden, None
+        if not self.checked:
+            self.enabled, self.checked = _reproduces(self.probe, hidden, out.logits), True
+            logger.info("chunked loss %s for %s (%d tokens per chunk)", "on" if self.enabled else
+                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk)
+        return out, hidden
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        return chunked_cross_entropy(self.probe, hidden, targets, self.chunk, head_parameters(self.model),
+                                     num_items_in_batch)
+
+    def remove(self) -> None:
+        if hasattr(self, "handle"):
+            self.handle.remove()
 
 
 class ChunkedLoss:
@@ -170,57 +219,34 @@ class ChunkedLoss:
     """
 
     def __init__(self, model: nn.Module, chunk: int):
-        self.model, self.chunk = model, chunk
+        self.model = model
         self.original = model.forward  # the bound forward of the model's class
         self.signature = inspect.signature(self.original)
-        self.slot = decoder_slot(model)
-        self.enabled = self.slot is not None and "logits_to_keep" in self.signature.parameters
-        if not self.enabled:
-            logger.info("chunked loss: %s has no decoder slot or no logits_to_keep; using its own loss",
-                        type(model).__name__)
-            return
-        self.probe = _HeadProbe(model, self.original, self.slot)
-        self.checked = False
-        self.hidden: torch.Tensor | None = None
-        self.capture = False
-        self.handle = model._modules[self.slot].register_forward_hook(self._capture)
-        model.forward = self
-
-    def _capture(self, module, args, output):
-        if self.capture:
-            self.hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        self.head = ChunkedHead(model, self.original, chunk)
+        if self.head.enabled:
+            model.forward = self
 
     def remove(self) -> None:
-        if self.enabled:
-            self.handle.remove()
-            self.model.__dict__.pop("forward", None)
+        self.head.remove()
+        self.model.__dict__.pop("forward", None)
+
+    def _chunks(self, call: dict) -> bool:
+        return (self.head.enabled and call.get("labels") is not None and self.model.training
+                and torch.is_grad_enabled() and not call.get("logits_to_keep") and call.get("return_dict") is not False)
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind_partial(*args, **kwargs).arguments
         extra = bound.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
         call = {**bound, **extra}
-        labels = call.get("labels")
-        if (not self.enabled or labels is None or not self.model.training or not torch.is_grad_enabled() or call.get("logits_to_keep")
-                or call.get("return_dict") is False):
+        if not self._chunks(call):
             return self.original(*args, **kwargs)
         loss_kwargs = {k: call.pop(k) for k in _LOSS_KWARGS if k in call}
-        self.capture = True
-        try:
-            out = self.original(**call, logits_to_keep=1)
-        finally:
-            self.capture = False
-        hidden, self.hidden = self.hidden, None
-        if not self.checked:
-            self.enabled = hidden is not None and _reproduces(self.probe, hidden, out.logits)
-            self.checked = True
-            logger.info("chunked loss %s for %s (%d tokens per chunk)", "on" if self.enabled else
-                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk)
-        if not self.enabled:  # once: the head is not reproduced, so this call runs the model's own forward again
+        out, hidden = self.head.run(**call)
+        if not self.head.enabled:  # once: the head is not reproduced, so this call runs the model's own forward again
             del out, hidden
             return self.original(*args, **kwargs)
-        targets = shifted_targets(labels, loss_kwargs.get("shift_labels"))
-        loss = chunked_cross_entropy(self.probe, hidden, targets, self.chunk, head_parameters(self.model),
-                                     loss_kwargs.get("num_items_in_batch"))
+        targets = shifted_targets(loss_kwargs["labels"], loss_kwargs.get("shift_labels"))
+        loss = self.head.loss(hidden, targets, loss_kwargs.get("num_items_in_batch"))
         aux = getattr(out, "aux_loss", None)
         if aux is not None:  # MoE: transformers adds the router loss where labels are given
             loss = loss + getattr(self.model, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
