@@ -56,11 +56,11 @@ LAUNCHES = {
         "pp2_fsdp2_tp2": L(4, pp_size=2, dp_shard_size=2, tp_size=2),  # 3-D: pp x dp x tp
     }),
     "pp2r": (2, 4, {
-        "pp2_gpipe": L(4, pp_size=2, pp_schedule="gpipe"),
-        "pp2_1f1b": L(4, pp_size=2, pp_schedule="1f1b", pp_microbatches=4),
+        "pp2_gpipe": L(4, pp_size=2, pp_schedule="gpipe", **OFF),
+        "pp2_1f1b": L(4, pp_size=2, pp_schedule="1f1b", pp_microbatches=4, **C),
         "pp2_interleaved": L(4, pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
-        "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2),
-        "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2),
+        "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2, **C),
+        "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2, **C),
         "pp2_uneven_5l": L(5, pp_size=2),  # default split: 3 + 2 layers
         "pp2_packed": L(4, pp_size=2, samples=PACKED),  # stages reproduce transformers' (non-)isolation
     }),
