@@ -222,6 +222,9 @@ class ChunkedLoss:
         self.model = model
         self.original = model.forward  # the bound forward of the model's class
         self.signature = inspect.signature(self.original)
+        # inspect.signature(model.forward) keeps answering with the model's own parameters (the Trainer picks the
+        # dataset columns it keeps from them; loss.GlobalTokenLoss looks for num_items_in_batch).
+        self.__signature__ = self.signature
         self.head = ChunkedHead(model, self.original, chunk)
         if self.head.enabled:
             model.forward = self

@@ -69,6 +69,13 @@ def test_chunked_equals_unchunked_over_adamw_steps(family):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
 
 
+def test_the_forward_keeps_its_signature():
+    import inspect
+
+    ref, mine = _pair("llama", chunk=4)
+    assert inspect.signature(mine.forward) == inspect.signature(ref.forward)  # the Trainer reads columns from it
+
+
 def test_shift_labels_as_context_parallelism_passes_them():
     ref, mine = _pair("llama", chunk=5)
     ids, labels = _batch()
@@ -136,3 +143,19 @@ def test_chunk_size_values():
     assert ParallelismConfig(loss_chunk_size=None).loss_chunk_tokens == 0
     assert ParallelismConfig(loss_chunk_size=64).loss_chunk_tokens == 64
     assert ParallelismConfig.from_dict({"loss_chunk_size": 128}).loss_chunk_tokens == 128
+    assert ParallelismConfig.from_yaml("loss_chunk_size: 128\n").loss_chunk_tokens == 128  # the YAML key
+
+
+def test_trl_sft_trainer_keeps_its_logits_unless_chunking_was_asked_for():
+    from nd_parallel.plugins.trainer.adopt import keep_logits_for_trl
+
+    sft = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})()
+    plain = type("Trainer", (), {"__module__": "transformers.trainer"})()
+    config = ParallelismConfig()
+    keep_logits_for_trl(plain, config)
+    assert config.loss_chunk_tokens == 256
+    keep_logits_for_trl(sft, config)
+    assert config.loss_chunk_tokens == 0  # the default is turned off: TRL reads outputs.logits in training
+    explicit = ParallelismConfig(loss_chunk_size=512)
+    keep_logits_for_trl(sft, explicit)
+    assert explicit.loss_chunk_tokens == 512
