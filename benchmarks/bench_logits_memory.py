@@ -54,7 +54,8 @@ def worker(args) -> None:
 
     _common.quiet_transformers()
     layout = json.loads(args.layout)
-    samples = make_samples(n=4, seq_len=args.seq, min_len=args.seq)
+    seq = int(args.seq)  # an internal flag: a string
+    samples = make_samples(n=4, seq_len=seq, min_len=seq)
     runs = {}
     for variant in VARIANTS:
         AcceleratorState._reset_state(reset_partial_state=False)

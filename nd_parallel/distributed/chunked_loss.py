@@ -210,9 +210,10 @@ class ChunkedHead:
 
 
 class ChunkedLoss:
-    """Installed on a HF causal LM (as an instance ``forward``): in a training forward with labels, the loss is
-    computed by ``chunked_cross_entropy`` and ``outputs.logits`` is None; every other call (evaluation, no
-    labels, ``generate``, no grad, a caller asking for ``logits_to_keep``) is the model's own forward.
+    """Installed on a HF causal LM (as an instance ``forward``): in a forward with labels that records gradients,
+    the loss is computed by ``chunked_cross_entropy`` and ``outputs.logits`` is None; every other call (under
+    ``torch.no_grad()`` as evaluation and ``generate`` run, no labels, a caller asking for ``logits_to_keep``) is
+    the model's own forward.
 
     Install it after ``GlobalTokenLoss``, whose hooks read the model's own signature and pass the global token
     count in as ``num_items_in_batch``.
@@ -234,8 +235,10 @@ class ChunkedLoss:
         self.model.__dict__.pop("forward", None)
 
     def _chunks(self, call: dict) -> bool:
-        return (self.head.enabled and call.get("labels") is not None and self.model.training
-                and torch.is_grad_enabled() and not call.get("logits_to_keep") and call.get("return_dict") is not False)
+        # A forward that records gradients, not ``model.training``: transformers' from_pretrained returns a model in
+        # eval mode and an Accelerate loop need not call train(); evaluation is model.eval() + torch.no_grad().
+        return (self.head.enabled and call.get("labels") is not None and torch.is_grad_enabled()
+                and not call.get("logits_to_keep") and call.get("return_dict") is not False)
 
     def __call__(self, *args, **kwargs):
         bound = self.signature.bind_partial(*args, **kwargs).arguments

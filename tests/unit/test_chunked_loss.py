@@ -93,9 +93,13 @@ def test_full_logits_without_labels_in_eval_and_without_grad():
         torch.testing.assert_close(mine(input_ids=ids, labels=labels).logits, ref(input_ids=ids, labels=labels).logits)
     mine.eval()
     ref.eval()
-    out = mine(input_ids=ids, labels=labels)
-    assert out.logits.shape == (2, 24, 256)
-    torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=labels).loss)
+    with torch.no_grad():  # evaluation as the contract has it: model.eval() + no_grad
+        out = mine(input_ids=ids, labels=labels)
+        assert out.logits.shape == (2, 24, 256)
+        torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=labels).loss)
+    # A forward that records gradients chunks whatever the mode: from_pretrained returns a model in eval mode, and
+    # an Accelerate loop need not call train().
+    assert mine(input_ids=ids, labels=labels).logits is None
     generated = mine.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
     assert generated.shape == (2, 7)
 
