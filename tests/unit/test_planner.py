@@ -149,8 +149,7 @@ def test_single_process_fp32_known_case(llama):
 
 @pytest.mark.parametrize("chunk", [0, 128])
 def test_single_process_prediction_matches_a_measured_step(llama, chunk):
-    """The same case measured: peak live tensor bytes of one AdamW step of the real model (within 2%), with HF's
-    loss (chunk 0) and with the chunked loss (distributed/chunked_loss.py)."""
+    """The same case measured: one AdamW step's peak live tensor bytes within 2%, HF's loss (0) and chunked."""
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.distributed.chunked_loss import ChunkedLoss
