@@ -1,9 +1,9 @@
 """`ParallelismConfig`: the degrees and options of an N-D parallel layout, validated before any process group exists.
 
 The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, expert_parallel.py,
-pipeline.py, context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py), so that an option and its
-check live together; the constructor stays flat. Build it from keyword arguments, or from a dict, YAML or the environment with
-the readers of sources.py, which also states the precedence between them.
+pipeline.py, context_parallel.py, activation_checkpointing.py, compile.py, fault.py, checkpoint.py, loss.py), so that
+an option and its check live together; the constructor stays flat. Build it from keyword arguments, or from a dict,
+YAML or the environment with the readers of sources.py, which also states the precedence between them.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .context_parallel import ContextParallelOptions
 from .expert_parallel import ExpertParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
+from .loss import LossOptions
 from .pipeline import PipelineOptions
 from .tensor_parallel import TensorParallelOptions
 
@@ -33,8 +34,9 @@ from .tensor_parallel import TensorParallelOptions
 # Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, CompileOptions, ActivationCheckpointingOptions,
-                        ContextParallelOptions, PipelineOptions, ExpertParallelOptions, TensorParallelOptions, Layout):
+class ParallelismConfig(AccelerateAPI, LossOptions, CheckpointOptions, FaultOptions, CompileOptions,
+                        ActivationCheckpointingOptions, ContextParallelOptions, PipelineOptions, ExpertParallelOptions,
+                        TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
     def __post_init__(self) -> None:
@@ -52,6 +54,7 @@ class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, CompileO
         self._check_checkpoint()
         self._check_nonfinite()
         self._check_pipeline()
+        self._check_loss()
         self._check_accelerate_api()
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,8 +26,9 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
      hooks, added after, stay outside the region and are not repeated by the recomputation.
    - FSDP last: it shards whatever TP left (a TP-sharded weight becomes a 2-D DTensor) and casts for compute.
 8. **Pipeline assembly**: tied weights bound across stages, the schedule wrapper, the CP runtime and the timeline.
-9. **Hooks** on a non-pipelined model: the global-token-mean loss over the dp x cp ranks, and CP's sequence
-   sharding of the batch.
+9. **Hooks** on a non-pipelined model: the global-token-mean loss over the dp x cp ranks, CP's sequence
+   sharding of the batch, and the chunked loss (``chunked_loss.py``: the full logits never held), installed after
+   the global-token hooks because it is called inside them with the global token count.
 10. **The meta path reads**: each rank fills only the pieces it owns from the safetensors files.
 11. **The parameter map**: which parameter now stands for each original one on this rank, so an optimizer
     built on the unsharded model can be re-pointed (as Accelerate does for FSDP2).
@@ -50,6 +51,7 @@ from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_s
 
 from . import activation_checkpoint, context_parallel, expert_parallel, router_loss, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
+from .chunked_loss import ChunkedLoss
 from .compile import apply_compile, check_backend
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
@@ -161,6 +163,8 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
         if config.cp_size > 1:
             model._nd_parallel_cp = context_parallel.SequenceSharding(model, context_parallel.runtime_for(the_mesh,
                                                                                                         config))
+    if config.pp_size == 1 and config.loss_chunk_tokens:
+        model._nd_parallel_chunked_loss = ChunkedLoss(model, config.loss_chunk_tokens)
     if lazy is not None:  # 10
         result.loading = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
     result.replaced = _parameter_map(before, moved, dict(model.named_parameters(remove_duplicate=False)))  # 11

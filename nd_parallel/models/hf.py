@@ -281,3 +281,25 @@ def sequence_mixers(model: nn.Module) -> list[str]:
         if how is not None:
             mixers.append(f"{name} ({type(module).__name__}: {how})")
     return mixers
+
+
+# ----------------------------------------------------------------------------------------- the causal-LM head
+def decoder_slot(model: nn.Module) -> str | None:
+    """Name of the direct child a causal LM's forward calls for its last hidden state (``base_model_prefix``,
+    e.g. "model"), or None where the model is not that shape (a base model, a custom wrapper)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    child = model._modules.get(prefix) if prefix else None
+    return prefix if isinstance(child, nn.Module) and child is not model else None
+
+
+def head_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a causal LM's forward may use after its decoder: the output head's (tied or not) and any
+    others outside the decoder, deduplicated; empty where ``decoder_slot`` is None."""
+    slot = decoder_slot(model)
+    if slot is None:
+        return []
+    inside = {id(p) for p in model._modules[slot].parameters()}
+    _, head = embedding_and_head(model)
+    found = {id(p): p for p in (head.parameters() if head is not None else [])}
+    found.update({id(p): p for p in model.parameters() if id(p) not in inside})
+    return list(found.values())

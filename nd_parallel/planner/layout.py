@@ -21,6 +21,9 @@ class Training:
     "fp32": everything in fp32."""
     lora_rank: int | None = None
     """LoRA rank: the base model is frozen (no grads, no optimizer state); None = full fine-tuning."""
+    loss_chunk: int = 256
+    """Tokens per chunk of the chunked loss (ParallelismConfig.loss_chunk_size, default "auto" = 256); 0 = HF's
+    loss on the full logits."""
 
     @property
     def compute_bytes(self) -> int:

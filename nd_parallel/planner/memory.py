@@ -15,7 +15,10 @@ keeps the outputs of every matmul and of attention and recomputes norms, activat
 
 The logits: HF's loss upcasts them to fp32 and log_softmax saves its fp32 output; at the start of backward the
 logits, that output, its gradient and the logits' gradient are alive together (16 bytes per token per vocab
-entry in fp32, 14 in bf16: the held logits are bf16).
+entry in fp32, 14 in bf16: the held logits are bf16). The chunked loss (distributed/chunked_loss.py, the default)
+holds those buffers for one chunk of tokens only, and keeps from its forward to its backward the gradient of the
+hidden states (compute dtype) and the fp32 gradient of the head's weight, while the next chunk's head gradient
+is added to it (two fp32 copies of this rank's head at that moment).
 
 The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
 the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
@@ -80,6 +83,22 @@ def logits_bytes_per_token(spec: ModelSpec, train: Training) -> tuple[int, int]:
     """(bytes per token at the loss's backward, bytes per token held afterwards: the logits themselves)."""
     held = train.compute_bytes * spec.vocab
     return held + 3 * FP32 * spec.vocab, held
+
+
+def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, flight: float) -> tuple[float, float]:
+    """(the loss's bytes at the start of backward, bytes held while the layers' backward runs) on the last stage."""
+    at_loss, held = logits_bytes_per_token(spec, train)
+    if train.loss_chunk and train.loss_chunk < tokens:
+        grad_hidden = tokens * train.compute_bytes * spec.hidden
+        grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
+                                     spec.vocab)
+        # one chunk's buffers, the hidden-state gradient, the running head gradient and the chunk's own; every other
+        # in-flight micro-batch keeps its hidden-state and head gradients until its backward
+        return (train.loss_chunk * at_loss + grad_hidden + 2 * grad_head
+                + (flight - 1) * (grad_hidden + grad_head)), 0.0
+    # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
+    # all of them); the one whose backward starts also has both gradients.
+    return tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)), tokens * held
 
 
 def stages_of_rank(layout: Layout, rank: int) -> list[int]:
@@ -149,11 +168,7 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     final_norm = (_norm_bytes(train) * spec.hidden + FP32) if has_last else 0
     activations = flight * tokens * (n_layers * saved + final_norm)
     pipeline = flight * tokens * 2 * b * spec.hidden * len(stages) if p > 1 else 0  # stage output + recv buffer
-    at_loss, held = logits_bytes_per_token(spec, train)
-    # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
-    # all of them); the one whose backward starts also has both gradients.
-    logits = tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)) if has_last else 0
-    held_logits = tokens * held if has_last else 0
+    logits, held_logits = _logits(spec, train, layout, tokens, flight) if has_last else (0, 0)
     comm = 0.0
     # Unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group. Under bf16 every
     # layout has them: fully_shard runs even over one rank, to cast the fp32 weights (precision.py).

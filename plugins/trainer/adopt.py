@@ -88,6 +88,19 @@ def check_own_loss(trainer, config) -> None:
             "data collator for your SFT data (its loss is nd_parallel's), or a layout with only tp_size > 1")
 
 
+def _is_trl_sft(trainer) -> bool:
+    return any(cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
+def keep_logits_for_trl(trainer, config) -> None:
+    """TRL's SFTTrainer reads ``outputs.logits`` in training (token accuracy, entropy), which the chunked loss does
+    not return: its default ("auto") is turned off here; a chunk size the user set is kept (their metrics then skip)."""
+    if _is_trl_sft(trainer) and config.loss_chunk_size == "auto":
+        config.loss_chunk_size = 0
+        logger.info("chunked loss off under TRL's SFTTrainer (it reads the training logits); set "
+                    "ParallelismConfig(loss_chunk_size=N) to chunk anyway")
+
+
 def adopt(trainer, plugin, accelerator=None):
     """Attach ``plugin`` to the Trainer's Accelerator and turn the Trainer habits listed in the module docstring.
 
@@ -107,6 +120,7 @@ def adopt(trainer, plugin, accelerator=None):
         plugin = attached
     else:  # the Trainer and TRL apply Accelerate's tp/cp arithmetic to a visible config: see attach(expose=...)
         plugin.attach(accelerator, expose=False)
+    keep_logits_for_trl(trainer, plugin.config)
     _turn_habits(trainer, plugin)
     return plugin
 

@@ -20,6 +20,13 @@ LOSS_RTOL = NORM_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
 
+# The loss is chunked by default (loss_chunk_size="auto", 256 tokens: one chunk of these short batches). Rows marked
+# C run 8-token chunks, so a rank's tokens span several chunks (and a cp shard cuts them); rows marked OFF compute
+# HF's unchunked loss, so both paths stay covered in each layout family.
+C = dict(loss_chunk_size=8)
+OFF = dict(loss_chunk_size=0)
+
+
 def L(n_layers=2, samples=None, **config):
     """A layout: ParallelismConfig kwargs, the depth of the tiny model it trains, and its data if not SAMPLES."""
     return {"config": config, "layers": n_layers, "samples": samples or SAMPLES}
@@ -36,25 +43,25 @@ LEFT_PADDED = dict(n=96, seq_len=24, left_pad=True)
 LAUNCHES = {
     "2r": (2, 2, {
         "ddp2": L(dp_replicate_size=2),
-        "fsdp2": L(dp_shard_size=2),
-        "tp2": L(tp_size=2),
+        "fsdp2": L(dp_shard_size=2, **C),
+        "tp2": L(tp_size=2, **C),
         "fsdp2_compile": L(dp_shard_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "4r": (4, 2, {
-        "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2),
-        "fsdp2_tp2": L(dp_shard_size=-1, tp_size=2),
-        "ddp2_tp2": L(dp_replicate_size=2, tp_size=2),
+        "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, **OFF),
+        "fsdp2_tp2": L(dp_shard_size=-1, tp_size=2, **C),
+        "ddp2_tp2": L(dp_replicate_size=2, tp_size=2, **OFF),
     }),
     "8r": (8, 4, {
         "hsdp2x2_tp2": L(dp_replicate_size=2, dp_shard_size=2, tp_size=2),
         "pp2_fsdp2_tp2": L(4, pp_size=2, dp_shard_size=2, tp_size=2),  # 3-D: pp x dp x tp
     }),
     "pp2r": (2, 4, {
-        "pp2_gpipe": L(4, pp_size=2, pp_schedule="gpipe"),
-        "pp2_1f1b": L(4, pp_size=2, pp_schedule="1f1b", pp_microbatches=4),
+        "pp2_gpipe": L(4, pp_size=2, pp_schedule="gpipe", **OFF),
+        "pp2_1f1b": L(4, pp_size=2, pp_schedule="1f1b", pp_microbatches=4, **C),
         "pp2_interleaved": L(4, pp_size=2, pp_schedule="interleaved-1f1b", pp_virtual_stages=2),
-        "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2),
-        "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2),
+        "pp2_interleaved_zb": L(4, pp_size=2, pp_schedule="interleaved-zb", pp_virtual_stages=2, **C),
+        "pp2_zbv": L(4, pp_size=2, pp_schedule="zbv", pp_virtual_stages=2, **C),
         "pp2_uneven_5l": L(5, pp_size=2),  # default split: 3 + 2 layers
         "pp2_packed": L(4, pp_size=2, samples=PACKED),  # stages reproduce transformers' (non-)isolation
         "pp2_compile": L(4, pp_size=2, compile=True, compile_backend="aot_eager"),
@@ -69,9 +76,9 @@ LAUNCHES = {
     # and learned positions (gpt2).
     # Context parallelism: ring (load-balanced and contiguous shards) and Ulysses, alone and composed.
     "cp2r": (2, 2, {
-        "cp2": L(cp_size=2),
-        "cp2_contiguous": L(cp_size=2, cp_load_balance=False),
-        "ulysses2": L(cp_size=2, cp_backend="ulysses"),
+        "cp2": L(cp_size=2, **C),
+        "cp2_contiguous": L(cp_size=2, cp_load_balance=False, **OFF),
+        "ulysses2": L(cp_size=2, cp_backend="ulysses", **C),
         "cp2_odd_len": L(cp_size=2, samples=ODD),
         "cp2_packed": L(cp_size=2, samples=PACKED),
         "ulysses2_packed": L(cp_size=2, cp_backend="ulysses", samples=PACKED),

@@ -50,12 +50,11 @@ def test_an_explicit_choice_and_fused_and_other_libraries_are_left_alone():
 
 
 def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop():
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     from nd_parallel.distributed.mesh import single_process_group
-
-    import torch.distributed as dist
 
     single_process_group("cpu")
     try:

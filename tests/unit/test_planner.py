@@ -132,7 +132,7 @@ def test_contradictory_constraints_are_one_clear_error(llama):
 # ------------------------------------------------------------------------------------------------- memory model
 def test_single_process_fp32_known_case(llama):
     """The component formulas, written out by hand for one shape (b=2, s=512, fp32, AdamW, no sharding)."""
-    train = Training(seq_len=512, global_batch=2, dtype="fp32")
+    train = Training(seq_len=512, global_batch=2, dtype="fp32", loss_chunk=0)  # HF's loss on the full logits
     mem = peak_memory(llama, train, Layout(1, 1, 1, 1, 1, micro_batch=2), BIG)
     tokens, h, f, q, kv, V = 1024, 256, 688, 256, 128, 4096
     per_layer = 2 * (12 * h + 4) + 4 * (q + 2 * kv + q) + 4 * 8 + 4 * 4 * f  # norms, q k v out, lse, gated MLP
@@ -141,12 +141,18 @@ def test_single_process_fp32_known_case(llama):
     assert mem.parts["optimizer"] == 8 * llama.total_params
     assert mem.parts["activations"] == tokens * (4 * per_layer + 12 * h + 4)  # + the final norm
     assert mem.parts["logits"] == 16 * tokens * V  # logits, log_softmax out, both gradients (fp32)
+    # The chunked loss: those buffers for one chunk, the hidden states' gradient, the head's fp32 gradient twice.
+    chunked = peak_memory(llama, Training(seq_len=512, global_batch=2, dtype="fp32", loss_chunk=128),
+                          Layout(1, 1, 1, 1, 1, micro_batch=2), BIG)
+    assert chunked.parts["logits"] == 16 * 128 * V + 4 * tokens * h + 2 * 4 * V * h
 
 
-def test_single_process_prediction_matches_a_measured_step(llama):
-    """The same case measured: peak live tensor bytes of one AdamW step of the real model (within 2%)."""
+@pytest.mark.parametrize("chunk", [0, 128])
+def test_single_process_prediction_matches_a_measured_step(llama, chunk):
+    """The same case measured: one AdamW step's peak live tensor bytes within 2%, HF's loss (0) and chunked."""
     from transformers import AutoModelForCausalLM
 
+    from nd_parallel.distributed.chunked_loss import ChunkedLoss
     from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
 
     torch.manual_seed(0)
@@ -154,6 +160,8 @@ def test_single_process_prediction_matches_a_measured_step(llama):
                          num_key_value_heads=4, head_dim=32, vocab_size=4096, tie_word_embeddings=False,
                          max_position_embeddings=256)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if chunk:
+        ChunkedLoss(model, chunk)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(1, 4096, (2, 256))
 
@@ -166,7 +174,7 @@ def test_single_process_prediction_matches_a_measured_step(llama):
     step()
     with LiveTensorBytes(state_tensors(model, opt)) as tracker:
         step()
-    predicted = peak_memory(llama, Training(seq_len=256, global_batch=2, dtype="fp32"),
+    predicted = peak_memory(llama, Training(seq_len=256, global_batch=2, dtype="fp32", loss_chunk=chunk),
                             Layout(1, 1, 1, 1, 1, micro_batch=2), Cluster(1, 1, 10**12, device="cpu")).peak
     assert abs(predicted / tracker.peak - 1) < 0.02, (predicted, tracker.peak)
 

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from nd_parallel.models.hf import embedding_and_head, model_parts, shares_embedding
 
+from ..chunked_loss import ChunkedHead
 from .balance import layer_counts
 from .schedules import SCHEDULES, check_microbatches
 from .split import split_stages, stage_ids_for_rank
@@ -164,6 +165,10 @@ def split_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
     loss = PipelineLoss(model)
     tied = _untie(model)
     stages = [make_stage_module(model, parts, spec, num_stages) for spec in mine]
+    last = [stage for stage, spec in zip(stages, mine) if spec.index == num_stages - 1]
+    if last and config.loss_chunk_tokens:
+        runner = last[0]._nd_stage_runner
+        loss.head, runner.loss = ChunkedHead(last[0], runner.causal_lm_forward, config.loss_chunk_tokens), loss
     counts = [len(s.layers) for s in specs]
     logger.info("applied PP over %d ranks: %d stages (layers per stage %s), schedule %s, %d micro-batches",
                 config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)

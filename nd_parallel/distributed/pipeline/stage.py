@@ -121,6 +121,7 @@ class StageRunner:
         base_fqn = parts.layers_fqn.rpartition(".")[0]
         self.base = skeleton.get_submodule(base_fqn) if base_fqn else skeleton
         self.injected: torch.Tensor | None = None
+        self.loss = None  # the pipeline's PipelineLoss on the last stage when its loss is chunked
         if not self.is_first and spec.layers:
             first = skeleton.get_submodule(f"{parts.layers_fqn}.{spec.layers[0]}")
             first.register_forward_pre_hook(self._inject, with_kwargs=True)
@@ -147,6 +148,10 @@ class StageRunner:
             # replaces these zeros at the first owned layer (after any embedding scaling, which zeros ignore).
             self.injected = x
             inputs = dict(inputs_embeds=torch.zeros_like(x))
+        if self.is_last and self.loss is not None and self.loss.chunks():
+            _, hidden = self.loss.head.run(**inputs, **common)
+            if self.loss.head.enabled:  # the loss runs the head chunk by chunk (chunked_loss.py)
+                return hidden
         if self.is_last:
             return self.causal_lm_forward(**inputs, **common).logits
         return self.base(**inputs, **common).last_hidden_state

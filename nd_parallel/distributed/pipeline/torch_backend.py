@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from nd_parallel.distributed.chunked_loss import shifted_targets
 from nd_parallel.distributed.context_parallel.sharding import isolates_documents
 from nd_parallel.models.hf import vocab_size
 
@@ -27,17 +28,31 @@ _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # logit
 
 
 class PipelineLoss:
-    """Per micro-batch: HF's own causal-LM loss, summed over tokens and divided by the *global* token count."""
+    """Per micro-batch: HF's own causal-LM loss, summed over tokens and divided by the *global* token count.
+
+    With a chunked head (``chunked_loss.ChunkedHead`` of the last stage, on the rank that holds it) and in a
+    training step, the last stage hands over its final hidden states instead of logits and the loss is the chunked
+    cross-entropy through the stage's head, so the full logits of a micro-batch are never held.
+    """
 
     def __init__(self, model: nn.Module):
         self.loss_function = model.loss_function
         self.vocab_size = vocab_size(model)
         self.total_tokens: torch.Tensor | None = None
         self.shifted = False  # context parallelism hands over labels already shifted (and cut)
+        self.head = None  # ChunkedHead of this rank's last stage, when the loss is chunked
+        self.training = False  # set per call: evaluation keeps the full logits
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def chunks(self) -> bool:
+        """Whether the last stage hands over hidden states this call (its runner asks before each forward)."""
+        return self.training and self.head is not None and self.head.enabled
+
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.chunks():
+            targets = labels if self.shifted else shifted_targets(labels, None)
+            return self.head.loss(output, targets, self.total_tokens)
         extra = {"shift_labels": labels} if self.shifted else {}
-        return self.loss_function(logits, labels, self.vocab_size, num_items_in_batch=self.total_tokens, **extra)
+        return self.loss_function(output, labels, self.vocab_size, num_items_in_batch=self.total_tokens, **extra)
 
 
 class PipelineModel(nn.Module):
@@ -116,6 +131,7 @@ class PipelineModel(nn.Module):
         elif not isolate and position_ids is not None and attention_mask is None:
             side["attention_mask"] = torch.ones_like(input_ids)  # a mask turns transformers' packing detection off
         self.loss.shifted = self.cp is not None or shifted
+        self.loss.training = not evaluating
         self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch, shifted=self.loss.shifted)
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []

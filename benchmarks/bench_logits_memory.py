@@ -1,0 +1,140 @@
+"""The loss without the full logits: peak memory per rank and step time, chunked loss vs transformers' loss.
+
+For each layout (one process, FSDP2, TP2, PP2, CP2 on 2 ranks) one launch prepares the same Llama-shaped model
+twice (default vocab 128k, hidden 256, 2 layers, fp32, one sample per data-parallel rank): once with the chunked
+loss (``loss_chunk_size``, default 256 tokens) and once with HF's loss on the full logits (``loss_chunk_size=0``).
+The two alternate step by step inside the launch, so machine noise hits them alike.
+
+- **peak**: peak live tensor bytes during forward + backward of one step minus what was alive before it
+  (parameters, gradients kept allocated, optimizer state), with the planner's allocator-level tracker
+  (nd_parallel/planner/measure.py); max over ranks.
+- **saved**: HF's peak minus the chunked peak, next to the formula: HF's fp32 logits are 4·s·b·V bytes (b·s the
+  tokens one rank's loss sees at once: s/cp under CP, one micro-batch under PP), the chunked loss holds one
+  chunk's, 4·c·V. The loss keeps a few buffers of that size alive at once (logits, log-softmax, their gradient),
+  so the saving is a multiple of the logits buffer.
+- **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank.
+
+    python benchmarks/bench_logits_memory.py                       # seq 2048 and 4096, vocab 128k
+    python benchmarks/bench_logits_memory.py --seqs 2048 --layouts one,fsdp2
+    python benchmarks/bench_logits_memory.py --quick               # smoke run (vocab 16k, seq 512)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+import torch
+
+LAYOUTS = {"one": (1, {}), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
+           "pp2": (2, dict(pp_size=2, pp_microbatches=2)), "cp2": (2, dict(cp_size=2))}
+VARIANTS = ("chunked", "hf")
+
+
+def _tokens_per_loss(name: str, seq: int) -> int:
+    """Tokens whose logits one rank's loss holds at once under HF's loss (batch 1 per dp rank / micro-batch)."""
+    return seq // 2 if name == "cp2" else seq
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.utils.data import DataLoader
+
+    from nd_parallel import NDParallelPlugin, ParallelismConfig
+    from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
+    from nd_parallel.testing.models import make_samples
+    from nd_parallel.testing.parity import _collate
+
+    _common.quiet_transformers()
+    layout = json.loads(args.layout)
+    seq = int(args.seq)  # an internal flag: a string
+    samples = make_samples(n=4, seq_len=seq, min_len=seq)
+    runs = {}
+    for variant in VARIANTS:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        accelerator = Accelerator()
+        chunk = args.chunk if variant == "chunked" else 0
+        plugin = NDParallelPlugin(ParallelismConfig(**layout, loss_chunk_size=chunk)).attach(accelerator)
+        model = plugin.from_pretrained(args.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        per_rank = 2 if layout.get("pp_size", 1) > 1 else 1
+        loader = DataLoader(samples, batch_size=per_rank, collate_fn=_collate)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        runs[variant] = (accelerator, model, opt, next(iter(loader)))
+    peaks, times = {}, {v: [] for v in VARIANTS}
+    measured_at = max(1, args.warmup)  # after a step, so gradients exist and count as state
+    for step in range(measured_at + 1 + args.steps):
+        for variant, (accelerator, model, opt, batch) in runs.items():
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            if step == measured_at:
+                peak = LiveTensorBytes(state_tensors(model, opt))
+                before = peak.current
+                with peak:
+                    out = model(**batch)
+                    accelerator.backward(out.loss)
+                peaks[variant] = peak.peak - before
+            else:
+                out = model(**batch)
+                accelerator.backward(out.loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            out.loss.item()
+            if step > measured_at:
+                times[variant].append(time.perf_counter() - start)
+    every = _common.gather({"peak": peaks, "time": {v: statistics.median(t) for v, t in times.items()}})
+    _common.write_result(args, {key: {v: max(r[key][v] for r in every) for v in VARIANTS} for key in ("peak", "time")})
+
+
+def parse_args(argv):
+    p = _common.parser(__doc__)
+    _common.flags(p, seqs="2048,4096", vocab=131072, hidden=256, layers=2, chunk=256, steps=2, warmup=1,
+                  layouts=",".join(LAYOUTS))
+    return _common.parse(p, argv, quick={"seqs": "512", "vocab": 16384, "steps": 1},
+                         internal=("--layout", "--model", "--seq"))
+
+
+HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "chunked / HF", "saved (MiB)",
+        "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V (MiB)", "saved / HF logits", "time chunked / HF"]
+
+
+def table_row(seq: int, name: str, res: dict, args) -> list[str]:
+    hf, ours = res["peak"]["hf"] / _common.MB, res["peak"]["chunked"] / _common.MB
+    logits = 4 * _tokens_per_loss(name, seq) * args.vocab / _common.MB
+    chunk = 4 * min(args.chunk, _tokens_per_loss(name, seq)) * args.vocab / _common.MB
+    return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}", f"{logits:.0f}",
+            f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{res['time']['chunked'] / res['time']['hf']:.2f}x"]
+
+
+def parent(args, argv) -> None:
+    rows, raw = [], []
+    seqs = [int(s) for s in args.seqs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _common.save_llama(Path(tmp) / "m", args.hidden, args.layers, heads=4, vocab_size=args.vocab,
+                                   max_position_embeddings=max(seqs))
+        for seq in seqs:
+            for name in args.layouts.split(","):
+                world, layout = LAYOUTS[name]
+                print(f"-- seq {seq}, {name} ({world} rank(s))", file=sys.stderr, flush=True)
+                res, took = _common.launch_timed(__file__, world, [
+                    f"--seq={seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--chunk={args.chunk}",
+                    f"--layout={json.dumps(layout)}", f"--model={model}"], timeout=3600)
+                print(f"   launch took {took}", file=sys.stderr, flush=True)
+                rows.append(table_row(seq, name, res, args))
+                raw.append((seq, name, res))
+    print(f"\nllama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, fp32, batch 1 per dp rank "
+          f"(PP: 2 micro-batches of 1), chunk {args.chunk} tokens; load {_common.loadavg()}\n")
+    print("\n".join(_common.md_table(HEAD, rows)))
+    print("\nraw:", json.dumps(raw))
+
+
+if __name__ == "__main__":
+    sys.exit(_common.run(parse_args, worker, parent))

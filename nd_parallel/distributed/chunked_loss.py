@@ -1,0 +1,260 @@
+"""The causal-LM loss without the full logits: cross-entropy over chunks of tokens, each chunk's head run once.
+
+A Hugging Face causal LM computes ``logits = head(hidden)`` for the whole sequence, upcasts them to fp32 and
+takes the cross-entropy: at a 128k vocabulary these [tokens, vocab] buffers are the largest tensors of a step.
+Here the forward runs the decoder as the model does (its own forward, asked for the last position's logits
+only), then ``_ChunkedCrossEntropy`` walks the tokens ``chunk`` at a time: the chunk's logits, their fp32
+log-softmax, the loss sum and, at once, the gradients of that sum with respect to the chunk's hidden states and
+the head's parameters. Those gradients are kept (the size of the hidden states and of the head's weight); the
+chunk's logits are freed before the next chunk, so one chunk's logits are alive at a time, and backward only
+scales the kept gradients. The FLOPs equal the unchunked loss's (one head matmul forward, two backward) — no
+recomputation — which keeps the step time at today's.
+
+Why by hand: torch has no fused linear + cross-entropy; Liger's and Apple's cut-cross-entropy kernels take a
+plain weight matrix (plus at most a soft-cap), so a tied head under LoRA, Granite's ``logits_scaling``, Cohere's
+``logit_scale`` or any other step a model's forward takes between its decoder and its loss would be silently
+wrong; torchtune's chunked loss chunks logits already computed. The head here is *the model's own forward* run
+on a chunk of hidden states with its decoder stubbed out (``_HeadProbe``), so every post-processing step a model
+family writes is applied by the family's own code, and the first chunked call checks the probe against the logits
+the real forward produced for the last position; a model whose head the probe does not reproduce falls back to
+its own loss (one info line).
+
+Semantics are transformers' ``ForCausalLMLoss``: labels shifted left by one (or ``shift_labels`` as given, as
+context parallelism does), ``ignore_index`` -100, the sum divided by ``num_items_in_batch`` when given (the
+global token count ``loss.GlobalTokenLoss`` passes) and the mean over the label tokens otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from nd_parallel.models.hf import decoder_slot, head_parameters
+
+from .loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+_LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels", "ignore_index")
+
+
+class _Stub(nn.Module):
+    """Stands in for the decoder while the head runs: returns the given hidden states as the last hidden state."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+class _HeadProbe:
+    """hidden [b, c, h] -> logits [b, c, V] by the model's own forward, with its decoder replaced by ``_Stub``."""
+
+    def __init__(self, model: nn.Module, forward: Callable, slot: str):
+        self.model, self.forward, self.slot = model, forward, slot
+        params = inspect.signature(forward).parameters
+        # MoE forwards compute a router loss from the decoder's router logits, which the stub does not have.
+        self.extra = {"output_router_logits": False} if "output_router_logits" in params else {}
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        modules = self.model._modules
+        decoder = modules[self.slot]
+        modules[self.slot] = _Stub(hidden)  # not setattr: no hook, no FSDP state sees the swap
+        try:
+            return self.forward(use_cache=False, **self.extra).logits
+        finally:
+            modules[self.slot] = decoder
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward: sum of the chunks' cross-entropies / denominator, with the gradients computed chunk by chunk.
+    Backward: those gradients times the incoming gradient. ``params`` are the head's trainable tensors (as the
+    model holds them during forward: FSDP's unsharded parameters, TP's DTensors), inputs so that their gradients
+    reach them, and FSDP's hooks, through autograd as usual."""
+
+    @staticmethod
+    def forward(ctx, head, chunk, denom, hidden, targets, *params):
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])  # [b*s, h]
+        targets = targets.reshape(-1)
+        grad_hidden = torch.zeros_like(flat)
+        grad_params: list[torch.Tensor | None] = [None] * len(params)
+        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        with torch.enable_grad():
+            for start in range(0, flat.shape[0], chunk):
+                target = targets[start:start + chunk]
+                if not bool((target != IGNORE_INDEX).any()):
+                    continue  # no label token: no loss, no gradient (same on every tp rank: they share tokens)
+                piece = flat[start:start + chunk].detach().requires_grad_(hidden.requires_grad)
+                logits = head(piece.unsqueeze(0))  # [1, c, V]
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+                wanted = [piece, *params] if hidden.requires_grad else list(params)
+                if wanted:
+                    grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+                    if hidden.requires_grad:
+                        grad_hidden[start:start + chunk] = grads[0]
+                        grads = grads[1:]
+                    for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
+                        if g is not None:
+                            grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
+                total += loss.detach()
+                del logits, loss
+        ctx.denom = denom
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(grad_hidden.view_as(hidden), *[g for g in grad_params if g is not None])
+        ctx.present = [g is not None for g in grad_params]
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = list(ctx.saved_tensors)
+        grad_hidden, kept = saved[0], iter(saved[1:])
+        scale = grad_out / ctx.denom
+        grads = []
+        for present, dtype in zip(ctx.present, ctx.param_dtypes):
+            grads.append((next(kept) * scale).to(dtype) if present else None)
+        return (None, None, None, (grad_hidden * scale).to(grad_hidden.dtype), None, *grads)
+
+
+def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                          shift_labels: torch.Tensor, chunk: int, params: list[torch.Tensor],
+                          num_items_in_batch=None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` on ``head(hidden)`` without ever holding more than ``chunk`` tokens'
+    logits. ``shift_labels`` [b, s] are the already-shifted targets; ``params`` the head's tensors that need a
+    gradient."""
+    if num_items_in_batch is None:
+        denom = (shift_labels != IGNORE_INDEX).sum().to(torch.float32)  # HF's mean: 0 tokens gives nan, as there
+    else:
+        denom = torch.as_tensor(num_items_in_batch, device=hidden.device).to(torch.float32)
+    trainable = [p for p in params if p.requires_grad]
+    return _ChunkedCrossEntropy.apply(head, chunk, denom, hidden, shift_labels.to(hidden.device), *trainable)
+
+
+def shifted_targets(labels: torch.Tensor, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """HF's shift: tokens < n predict n, the last position predicts nothing (unless shifted already)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _reproduces(probe: _HeadProbe, hidden: torch.Tensor, logits: torch.Tensor | None) -> bool:
+    """Whether the probe gives the logits the real forward gave for the last position (checked once). The two run
+    the same code on the same inputs, so they agree on any values (NaN too) unless the forward does something else."""
+    if logits is None or hidden is None:
+        return False
+    try:
+        with torch.no_grad():
+            mine = probe(hidden[:, -1:].detach())
+    except Exception as err:  # a forward that needs its real inputs after the decoder: not reproducible here
+        logger.info("chunked loss: the head of %s cannot run alone (%s)", type(probe.model).__name__, err)
+        return False
+    if hasattr(mine, "full_tensor"):  # DTensor logits (a vocabulary-sharded head): compare the whole
+        mine, logits = mine.full_tensor(), logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return mine.shape == logits.shape and bool(torch.allclose(mine.float(), logits.detach().float(),
+                                                              rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+class ChunkedHead:
+    """The decoder's output and the chunked loss of one causal LM (or one pipeline stage's copy of it).
+
+    ``run(forward_kwargs)`` calls the model's own forward asking for the last position's logits only and returns
+    ``(output, hidden)``; the first call checks that the head can be run on chunks (``enabled``).
+    ``loss(hidden, targets, num_items)`` is the chunked cross-entropy through the model's head.
+    """
+
+    def __init__(self, model: nn.Module, forward: Callable, chunk: int):
+        self.model, self.forward, self.chunk = model, forward, chunk
+        self.slot = decoder_slot(model)
+        self.enabled = self.slot is not None and "logits_to_keep" in inspect.signature(forward).parameters
+        self.checked = not self.enabled
+        if not self.enabled:
+            logger.info("chunked loss off for %s: no decoder slot or no logits_to_keep; it uses its own loss",
+                        type(model).__name__)
+            return
+        self.probe = _HeadProbe(model, forward, self.slot)
+        self._hidden: torch.Tensor | None = None
+        self._capture = False
+        self.handle = model._modules[self.slot].register_forward_hook(self._keep)
+
+    def _keep(self, module, args, output):
+        if self._capture:
+            self._hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def run(self, **kwargs):
+        self._capture = True
+        try:
+            out = self.forward(**kwargs, logits_to_keep=1)
+        finally:
+            self._capture = False
+        hidden, self._hidden = self._hidden, None
+        if not self.checked:
+            self.enabled, self.checked = _reproduces(self.probe, hidden, out.logits), True
+            logger.info("chunked loss %s for %s (%d tokens per chunk)", "on" if self.enabled else
+                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk)
+        return out, hidden
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        return chunked_cross_entropy(self.probe, hidden, targets, self.chunk, head_parameters(self.model),
+                                     num_items_in_batch)
+
+    def remove(self) -> None:
+        if hasattr(self, "handle"):
+            self.handle.remove()
+
+
+class ChunkedLoss:
+    """Installed on a HF causal LM (as an instance ``forward``): in a forward with labels that records gradients,
+    the loss is computed by ``chunked_cross_entropy`` and ``outputs.logits`` is None; every other call (under
+    ``torch.no_grad()`` as evaluation and ``generate`` run, no labels, a caller asking for ``logits_to_keep``) is
+    the model's own forward.
+
+    Install it after ``GlobalTokenLoss``, whose hooks read the model's own signature and pass the global token
+    count in as ``num_items_in_batch``.
+    """
+
+    def __init__(self, model: nn.Module, chunk: int):
+        self.model = model
+        self.original = model.forward  # the bound forward of the model's class
+        self.signature = inspect.signature(self.original)
+        # inspect.signature(model.forward) keeps answering with the model's own parameters (the Trainer picks the
+        # dataset columns it keeps from them; loss.GlobalTokenLoss looks for num_items_in_batch).
+        self.__signature__ = self.signature
+        self.head = ChunkedHead(model, self.original, chunk)
+        if self.head.enabled:
+            model.forward = self
+
+    def remove(self) -> None:
+        self.head.remove()
+        self.model.__dict__.pop("forward", None)
+
+    def _chunks(self, call: dict) -> bool:
+        # A forward that records gradients, not ``model.training``: transformers' from_pretrained returns a model in
+        # eval mode and an Accelerate loop need not call train(); evaluation is model.eval() + torch.no_grad().
+        return (self.head.enabled and call.get("labels") is not None and torch.is_grad_enabled()
+                and not call.get("logits_to_keep") and call.get("return_dict") is not False)
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind_partial(*args, **kwargs).arguments
+        extra = bound.pop("kwargs", {}) if "kwargs" in self.signature.parameters else {}
+        call = {**bound, **extra}
+        if not self._chunks(call):
+            return self.original(*args, **kwargs)
+        loss_kwargs = {k: call.pop(k) for k in _LOSS_KWARGS if k in call}
+        out, hidden = self.head.run(**call)
+        if not self.head.enabled:  # once: the head is not reproduced, so this call runs the model's own forward again
+            del out, hidden
+            return self.original(*args, **kwargs)
+        targets = shifted_targets(loss_kwargs["labels"], loss_kwargs.get("shift_labels"))
+        loss = self.head.loss(hidden, targets, loss_kwargs.get("num_items_in_batch"))
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:  # MoE: transformers adds the router loss where labels are given
+            loss = loss + getattr(self.model, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
+        out.loss, out.logits = loss, None
+        return out
