@@ -22,6 +22,9 @@ Trainer habits still have to be turned, on this one Trainer instance:
   split off the HF model, which keeps stale weights) it would evaluate that stale unsplit model; it gets the
   prepared one (``model_wrapped``), whose ``eval()`` + ``no_grad`` forward runs the forward-only schedule.
 
+TRL's SFTTrainer computes its loss and metrics itself: sft.py turns them (check_sft_args before any collective,
+adopt_sft after the habits above).
+
 TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
 master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,
 where the plugin turns HF's off and applies its own "full" mode.

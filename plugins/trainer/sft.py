@@ -13,8 +13,8 @@ What SFTTrainer does on its own, and why each part is turned here (adopt.py call
   (the same cross-entropy, computed on the last stage without the tiling).
 - **Metrics.** ``mean_token_accuracy`` and ``entropy`` are ratios of token sums; the sums are added over the
   ranks that hold different tokens (dp x cp) before dividing, so each is the value of the whole micro-batch.
-  Without per-token outputs from the training forward (PP, or 1.9 under CP, where logits are a sequence shard)
-  they come from one extra forward-only pass under ``no_grad`` (full logits, gathered). ``num_tokens`` is
+  Under PP the pipeline's last stage adds them up from its logits during the training step (``return_token_stats``);
+  1.9 under CP, whose training logits are a sequence shard, takes one extra forward-only pass (full logits). ``num_tokens`` is
   added over the dp ranks (cp / tp / pp peers share a batch).
 - **Packing / padding_free.** The collator's ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` describe the
   unsharded row; under CP and PP they are dropped and document boundaries come from ``position_ids`` (CP's
@@ -49,6 +49,19 @@ def _padding_free(args) -> bool:
         getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split")))
 
 
+def _aux_loss(trainer) -> bool:
+    """SFTTrainer's aux_loss_enabled, which it sets only after Trainer.__init__ (where adopt runs): a MoE text
+    config (one with output_router_logits) and a non-zero coefficient (the args', else the config's)."""
+    if hasattr(trainer, "aux_loss_enabled"):
+        return bool(trainer.aux_loss_enabled)
+    model = getattr(trainer, "model", None)
+    text = model.config.get_text_config() if hasattr(getattr(model, "config", None), "get_text_config") else None
+    if text is None or getattr(text, "output_router_logits", None) is None:
+        return False
+    coef = getattr(trainer.args, "router_aux_loss_coef", None)
+    return (getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef) != 0.0
+
+
 def check_sft_args(trainer, config) -> None:
     """SFTTrainer options whose loss is not the global-token mean under ``config``: refused with the fix."""
     args, splits = trainer.args, _splits(config)
@@ -63,15 +76,19 @@ def check_sft_args(trainer, config) -> None:
          "its loss divides by this rank's tokens; use label_smoothing_factor=0"),
         (getattr(args, "loss_type", "nll") != "nll", f"loss_type={getattr(args, 'loss_type', None)!r}",
          "only the token-mean negative log-likelihood is made global; use loss_type='nll'"),
-        (bool(getattr(trainer, "aux_loss_enabled", False)), "the MoE router auxiliary loss (aux_loss_enabled)",
+        (_aux_loss(trainer), "the MoE router auxiliary loss (aux_loss_enabled)",
          "it is a load-balancing statistic of this rank's micro-batch, not of the global batch; set "
-         "router_aux_loss_coef=0.0 in the model config"),
+         "SFTConfig(router_aux_loss_coef=0.0)"),
         (bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True",
          "Liger's kernels compute the loss from this rank's tokens; use use_liger_kernel=False"),
     ]
     for bad, what, fix in refusals:
         if bad:
             raise NotImplementedError(f"TRL SFTTrainer with {what} under {where}: {fix}")
+    if config.pp_size > 1 and config.pp_backend != "torch":
+        raise NotImplementedError(
+            f"TRL SFTTrainer with pp_backend={config.pp_backend!r}: its engine returns neither per-token outputs "
+            "nor logits for the token accuracy and entropy; use pp_backend='torch'")
     micro = config.microbatches if config.pp_size > 1 else 1
     if micro > 1 and _padding_free(args):
         raise ValueError(
@@ -93,48 +110,49 @@ def _has_fused_head(trainer) -> bool:
     return "fused_lm_head" in inspect.signature(base.forward).parameters
 
 
-def _token_sums(trainer, model, inputs, outputs) -> torch.Tensor:
-    """[label tokens, correct top-1, entropy sum] of this rank's tokens (float64)."""
-    if getattr(outputs, "label_mask", None) is not None:  # TRL's fused head
+def _token_sums(trainer, model, inputs, outputs) -> tuple[torch.Tensor, str | None]:
+    """[label tokens, correct top-1, entropy sum] (float64) and the mesh view to add them over (None: global)."""
+    from nd_parallel.distributed.pipeline.torch_backend import token_stats
+
+    if getattr(outputs, "token_stats", None) is not None:  # a pipeline training step: summed on the last stage
+        return outputs.token_stats, None
+    if getattr(outputs, "label_mask", None) is not None:  # TRL's fused head: this rank's tokens (a CP shard)
         sums = [outputs.label_mask.sum(), outputs.is_top1.sum(), outputs.entropy.detach().sum()]
-        return torch.stack([s.to(torch.float64) for s in sums])
-    labels = inputs.get("shift_labels")
+        return torch.stack([s.to(torch.float64) for s in sums]), "dp_cp"
     logits = getattr(outputs, "logits", None)
-    full = inputs["labels"].shape[-1]
-    if logits is None or logits.shape[1] != full:  # pipeline, or a CP sequence shard: one forward-only pass
-        with torch.no_grad():
+    if logits is None or logits.shape[1] != inputs["labels"].shape[-1]:  # 1.9 under CP: a sequence shard
+        with torch.no_grad():  # forward-only: the logits of the whole sequence, gathered
             logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
-    with torch.no_grad():
-        if labels is None:
-            logits, labels = logits[:, :-1], inputs["labels"][:, 1:]
-        mask = labels != -100
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        correct = (logits.argmax(-1) == labels) & mask
-        return torch.stack([mask.sum().double(), correct.sum().double(), (entropy * mask).sum().double()])
+    shifted = "shift_labels" in inputs
+    return token_stats(logits, inputs["shift_labels" if shifted else "labels"], shifted), "dp"
 
 
-def _all_reduce(trainer, tensor: torch.Tensor, dim: str) -> torch.Tensor:
-    if trainer.accelerator.num_processes > 1:
+def _all_reduce(trainer, tensor: torch.Tensor, dim: str | None) -> torch.Tensor:
+    if dim is not None and trainer.accelerator.num_processes > 1:
         dist.all_reduce(tensor, group=trainer.nd_parallel.mesh[dim].get_group())
     return tensor
 
 
 def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """SFTTrainer.compute_loss with nd_parallel's global-token loss and global metrics (module docstring)."""
-    mode = "train" if self.model.training else "eval"
+    # TRL picks its metrics bucket (here and in log()) from self.model.training; under PP the Trainer toggles
+    # the prepared PipelineModel, not the HF model it was split from: carry the flag over.
+    self.model.training = model.training
+    mode = "train" if model.training else "eval"
     config = self.nd_parallel.config
     inputs = dict(inputs, use_cache=False)  # as TRL: no KV cache, so packed documents are masked apart
     if config.pp_size > 1 or config.cp_size > 1:
         for key in PACKED_ROW_KEYS:  # they describe the unsharded row (module docstring)
             inputs.pop(key, None)
     extra = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
-    if config.pp_size == 1 and _has_fused_head(self):
+    if config.pp_size > 1:
+        extra["return_token_stats"] = model.training and torch.is_grad_enabled()  # see PipelineModel.forward
+    elif _has_fused_head(self):
         extra["fused_lm_head"] = True
     outputs = model(**inputs, **extra)
     loss = outputs.loss  # the global-token mean, the same value on every rank
 
-    valid, correct, entropy = _all_reduce(self, _token_sums(self, model, inputs, outputs), "dp_cp").tolist()
+    valid, correct, entropy = _all_reduce(self, *_token_sums(self, model, inputs, outputs)).tolist()
     self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
     self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
     if mode == "train":
