@@ -141,6 +141,7 @@ def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=N
     mode = "train" if model.training else "eval"
     config = self.nd_parallel.config
     inputs = dict(inputs, use_cache=False)  # as TRL: no KV cache, so packed documents are masked apart
+    inputs.pop("_prediction_loss_only", None)  # 1.9's prediction_step note to its own compute_loss, not an input
     if config.pp_size > 1 or config.cp_size > 1:
         for key in PACKED_ROW_KEYS:  # they describe the unsharded row (module docstring)
             inputs.pop(key, None)
