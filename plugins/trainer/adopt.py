@@ -22,6 +22,9 @@ Trainer habits still have to be turned, on this one Trainer instance:
   split off the HF model, which keeps stale weights) it would evaluate that stale unsplit model; it gets the
   prepared one (``model_wrapped``), whose ``eval()`` + ``no_grad`` forward runs the forward-only schedule.
 
+TRL's SFTTrainer computes its loss and metrics itself: sft.py turns them (check_sft_args before any collective,
+adopt_sft after the habits above).
+
 TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
 master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,
 where the plugin turns HF's off and applies its own "full" mode.
@@ -36,6 +39,8 @@ import os
 import types
 
 from nd_parallel.accelerate.accelerate_config import refuse_different_sizes
+
+from .sft import adopt_sft, check_sft_args, is_sft_trainer
 
 logger = logging.getLogger("nd_parallel")
 
@@ -67,27 +72,6 @@ _DS_EVAL = ("TrainingArguments(eval_strategy=...) with pp_backend='deepspeed': i
             "and logits) or eval_strategy='no'")
 
 
-def check_own_loss(trainer, config) -> None:
-    """Refuse Trainer subclasses known to compute the loss themselves where that loss would be wrong.
-
-    TRL's SFTTrainer (1.x) divides summed per-token log-probs from a fused head (``fused_lm_head=True``) by this
-    rank's own token count, so nd_parallel's global-token loss never runs: with data parallelism the summed
-    gradients come out dp times too large (measured: 2.0x the one-process grad norm under FSDP2, TRL 1.16); its
-    loss does not see sequence shards (CP) and it reads log-probs a pipeline does not return (PP). Where every rank
-    holds the whole batch and the whole sequence (tp only) its loss is exact.
-    """
-    names = {cls.__name__ for cls in type(trainer).__mro__ if cls.__module__.startswith("trl.")}
-    if "SFTTrainer" not in names:
-        return
-    others = {k: v for k, v in config.sizes.items() if k != "tp" and v > 1}
-    if others:
-        sizes = ", ".join(f"{k}_size={v}" for k, v in others.items())
-        raise NotImplementedError(
-            f"TRL's SFTTrainer computes its own loss from per-rank token counts (fused_lm_head), which is not the "
-            f"global-token mean under {sizes}: its gradients would be wrong. Use transformers.Trainer with a "
-            "data collator for your SFT data (its loss is nd_parallel's), or a layout with only tp_size > 1")
-
-
 def _is_trl_sft(trainer) -> bool:
     return any(cls.__name__ == "SFTTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
 
@@ -112,7 +96,8 @@ def adopt(trainer, plugin, accelerator=None):
                                "NDParallelCallback's ParallelismConfig")
         return trainer.nd_parallel
     check_trainer_args(trainer.args, accelerator, plugin.config)
-    check_own_loss(trainer, plugin.config)
+    if is_sft_trainer(trainer):
+        check_sft_args(trainer, plugin.config)  # before any collective
     attached = getattr(accelerator, "nd_parallel", None)
     if attached is not None:
         refuse_different_sizes(attached.config, plugin.config, "TrainingArguments(parallelism_config=...)",
@@ -122,6 +107,8 @@ def adopt(trainer, plugin, accelerator=None):
         plugin.attach(accelerator, expose=False)
     keep_logits_for_trl(trainer, plugin.config)
     _turn_habits(trainer, plugin)
+    if is_sft_trainer(trainer):
+        adopt_sft(trainer, plugin)
     return plugin
 
 

@@ -80,14 +80,79 @@ def test_trainer_evaluation_under_pp_runs_with_torch_and_is_refused_with_deepspe
         check_trainer_args(args, object(), ParallelismConfig(pp_size=2, pp_backend="deepspeed").resolve(2))
 
 
-def test_trl_sft_trainer_refused_where_its_own_loss_is_wrong():
-    """TRL's SFTTrainer divides by this rank's tokens (fused head): refused under dp/cp/pp, allowed under tp only.
-    A stand-in class from a 'trl.' module, so the test needs no TRL install."""
-    from nd_parallel.plugins.trainer.adopt import check_own_loss
+def _sft(**args):
+    """A stand-in SFTTrainer (class named SFTTrainer from a 'trl.' module, subclassed by the user), without TRL."""
+    from types import SimpleNamespace
 
     SFTTrainer = type("SFTTrainer", (), {"__module__": "trl.trainer.sft_trainer"})
-    Subclass = type("MySFT", (SFTTrainer,), {"__module__": "mine"})
-    with pytest.raises(NotImplementedError, match="dp_shard_size=2: its gradients would be wrong"):
-        check_own_loss(Subclass(), ParallelismConfig(dp_shard_size=2).resolve(2))
-    check_own_loss(SFTTrainer(), ParallelismConfig(tp_size=2).resolve(2))
-    check_own_loss(type("Trainer", (), {})(), ParallelismConfig(dp_shard_size=2).resolve(2))
+    trainer = type("MySFT", (SFTTrainer,), {"__module__": "mine"})()
+    trainer.args = SimpleNamespace(**{"loss_type": "nll", "label_smoothing_factor": 0.0, "packing": False,
+                                      "padding_free": False, "packing_strategy": "bfd", **args})
+    trainer.compute_loss_func, trainer.aux_loss_enabled = None, False
+    return trainer
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(loss_type="dft"), "loss_type='dft' under dp_shard_size=2: .*use loss_type='nll'"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 under dp_shard_size=2: .*=0"),
+    (dict(use_liger_kernel=True), "use_liger_kernel=True under dp_shard_size=2: .*use_liger_kernel=False"),
+])
+def test_sft_trainer_options_that_cannot_be_exact_are_refused(change, message):
+    from nd_parallel.plugins.trainer.sft import check_sft_args
+
+    with pytest.raises(NotImplementedError, match=message):
+        check_sft_args(_sft(**change), ParallelismConfig(dp_shard_size=2).resolve(2))
+    check_sft_args(_sft(**change), ParallelismConfig(tp_size=2).resolve(2))  # tp only: the whole batch everywhere
+    check_sft_args(_sft(), ParallelismConfig(dp_shard_size=2).resolve(2))
+
+
+def test_sft_trainer_own_loss_function_and_moe_aux_loss_refused_under_cp():
+    from nd_parallel.plugins.trainer.sft import check_sft_args
+
+    trainer = _sft()
+    trainer.compute_loss_func = lambda *a, **k: None
+    with pytest.raises(NotImplementedError, match="compute_loss_func=<function> under cp_size=2: .*drop it"):
+        check_sft_args(trainer, ParallelismConfig(cp_size=2).resolve(2))
+    # at adopt time (inside Trainer.__init__) SFTTrainer has not set aux_loss_enabled yet: read from the config
+    from types import SimpleNamespace
+
+    trainer = _sft(router_aux_loss_coef=None)
+    del trainer.aux_loss_enabled
+    moe = SimpleNamespace(output_router_logits=False, router_aux_loss_coef=0.01)
+    trainer.model = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: moe))
+    with pytest.raises(NotImplementedError, match="router auxiliary loss.*under pp_size=2: .*router_aux_loss_coef"):
+        check_sft_args(trainer, ParallelismConfig(pp_size=2).resolve(2))
+    trainer.args.router_aux_loss_coef = 0.0
+    check_sft_args(trainer, ParallelismConfig(pp_size=2).resolve(2))
+
+
+def test_sft_trainer_padding_free_needs_one_pipeline_micro_batch():
+    from nd_parallel.plugins.trainer.sft import check_sft_args, is_sft_trainer
+
+    assert is_sft_trainer(_sft()) and not is_sft_trainer(type("Trainer", (), {})())
+    with pytest.raises(ValueError, match="ONE row.*pp_microbatches=2; use ParallelismConfig\\(pp_microbatches=1\\)"):
+        check_sft_args(_sft(packing=True), ParallelismConfig(pp_size=2).resolve(2))
+    with pytest.raises(ValueError, match="pp_microbatches=4"):
+        check_sft_args(_sft(padding_free=True), ParallelismConfig(pp_size=2, pp_microbatches=4).resolve(2))
+    check_sft_args(_sft(packing=True), ParallelismConfig(pp_size=2, pp_microbatches=1, pp_schedule="gpipe").resolve(2))
+    check_sft_args(_sft(packing=True, packing_strategy="wrapped"), ParallelismConfig(pp_size=2).resolve(2))
+    check_sft_args(_sft(packing=True), ParallelismConfig(cp_size=2).resolve(2))  # CP keeps documents apart
+    with pytest.raises(NotImplementedError, match="pp_backend='deepspeed'.*use pp_backend='torch'"):
+        check_sft_args(_sft(), ParallelismConfig(pp_size=2, pp_backend="deepspeed").resolve(2))
+
+
+def test_pipeline_token_stats_are_the_sums_behind_accuracy_and_entropy():
+    """token_stats (what the pipeline's last stage adds up for SFTTrainer's metrics): unshifted labels are shifted
+    like HF's loss, shifted ones (CP) are used as they are; -100 counts nowhere."""
+    import torch
+
+    from nd_parallel.distributed.pipeline.torch_backend import token_stats
+
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 1.0]]])
+    labels = torch.tensor([[-100, 1, 0]])  # predicted from positions 0 and 1: top-1 of position 0 is 0 (wrong)
+    valid, correct, entropy = token_stats(logits, labels, shifted=False).tolist()
+    logp = torch.log_softmax(logits[0, :2], -1)
+    assert (valid, correct) == (2, 0)
+    assert abs(entropy - (-(logp.exp() * logp).sum()).item()) < 1e-6
+    valid, correct, _ = token_stats(logits, torch.tensor([[0, 1, -100]]), shifted=True).tolist()
+    assert (valid, correct) == (2, 2)

@@ -42,6 +42,7 @@ class PipelineLoss:
         self.shifted = False  # context parallelism hands over labels already shifted (and cut)
         self.head = None  # ChunkedHead of this rank's last stage, when the loss is chunked
         self.training = False  # set per call: evaluation keeps the full logits
+        self.stats: list[torch.Tensor] | None = None  # token sums per call, when the caller asks (token_stats)
 
     def chunks(self) -> bool:
         """Whether the last stage hands over hidden states this call (its runner asks before each forward)."""
@@ -52,7 +53,22 @@ class PipelineLoss:
             targets = labels if self.shifted else shifted_targets(labels, None)
             return self.head.loss(output, targets, self.total_tokens)
         extra = {"shift_labels": labels} if self.shifted else {}
+        if self.stats is not None:
+            self.stats.append(token_stats(output, labels, self.shifted))
         return self.loss_function(output, labels, self.vocab_size, num_items_in_batch=self.total_tokens, **extra)
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, shifted: bool) -> torch.Tensor:
+    """[label tokens, tokens whose label is the top-1 prediction, entropy sum over label tokens] (float64), the
+    sums behind a trainer's token accuracy and entropy. Without gradient."""
+    with torch.no_grad():
+        if not shifted:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        mask = labels != -100
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        correct = (logits.argmax(-1) == labels) & mask
+        return torch.stack([mask.sum().double(), correct.sum().double(), (entropy * mask).sum().double()])
 
 
 class PipelineModel(nn.Module):
@@ -102,9 +118,12 @@ class PipelineModel(nn.Module):
         return self._schedules[shape]
 
     def forward(self, input_ids=None, labels=None, attention_mask=None, position_ids=None, num_items_in_batch=None,
-                use_cache=None, shift_labels=None, **unused):
+                use_cache=None, shift_labels=None, return_token_stats=False, **unused):
         """A training step (forward + backward of every micro-batch), or under ``model.eval()`` / ``no_grad`` a
         forward-only pass that touches no gradient and returns the loss (if labels) and the full logits.
+        ``return_token_stats``: a training step also returns ``token_stats`` (``token_stats()`` of every label token
+        of the global batch, summed over micro-batches and dp/cp ranks on the last stage, then sent to every pp
+        rank), what a trainer's token accuracy / entropy needs: the training schedule returns no logits.
 
         ``shift_labels`` (targets already shifted: position t's label is token t+1, as Accelerate's CP collate
         writes them) take precedence over ``labels``, as in transformers' own loss."""
@@ -144,13 +163,24 @@ class PipelineModel(nn.Module):
                                           logits=self._share_logits(logits, input_ids.shape[0], seq_len))
         if self.tied is not None:
             self.tied.snapshot()
+        self.loss.stats = [] if return_token_stats else None
         with self._cp_active():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **side)
         if self.tied is not None:
             self.tied.sync_grads()
         loss = self._global_loss(losses)
         loss._nd_parallel_backward_done = True  # accelerator.backward(loss) becomes a no-op
-        return CausalLMOutputWithPast(loss=loss)
+        out = CausalLMOutputWithPast(loss=loss)
+        if return_token_stats:
+            out.token_stats, self.loss.stats = self._global_sum(self._step_stats(self.loss.stats)), None
+        return out
+
+    def _step_stats(self, calls: list[torch.Tensor]) -> torch.Tensor:
+        """The last stage's token sums over the step's micro-batches. torch's schedule also calls the loss once
+        while it infers the backward metadata of a new batch shape (PipelineStage, first step per shape), before
+        any micro-batch: only the last ``microbatches`` calls are the step's."""
+        mine = calls[-self.microbatches:] if self.has_last else []
+        return torch.stack(mine).sum(0) if mine else torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def _share_logits(self, logits: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor:
         """The last stage's logits on every pp rank, over the whole sequence (cp shards gathered back)."""
@@ -189,7 +219,10 @@ class PipelineModel(nn.Module):
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Sum of the micro-batch shares over dp/cp ranks, then sent from the last stage to every pp rank."""
         value = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
-        value = value.to(self.device, torch.float32)
+        return self._global_sum(value.to(self.device, torch.float32))
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (this rank's; meaningful on the last stage) summed over dp/cp, the same on every pp rank."""
         dist.all_reduce(value, group=self.mesh["dp_cp"].get_group())
         pp_group = self.mesh["pp"].get_group()
         dist.broadcast(value, group=pp_group, group_src=self.last_stage_pp_rank)
