@@ -179,9 +179,10 @@ class NDParallelPlugin:
     def _mesh_for_prepare(self, distributed: bool) -> ParallelMesh | None:
         """One process has nothing to split but follows the same recipe as every layout: bf16 goes through a
         one-rank fully_shard, which needs a one-rank process group and mesh."""
-        if not distributed and self.mp_policy is not None:
+        one_rank_fsdp = self.mp_policy is not None or self.config.fsdp_offload_params  # offload is FSDP's policy too
+        if not distributed and one_rank_fsdp:
             single_process_group(self.accelerator.device.type)
-        return self.mesh if distributed or self.mp_policy is not None else None
+        return self.mesh if distributed or one_rank_fsdp else None
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if isinstance(optimizer, AcceleratedOptimizer):

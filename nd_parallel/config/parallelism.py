@@ -1,7 +1,7 @@
 """`ParallelismConfig`: the degrees and options of an N-D parallel layout, validated before any process group exists.
 
 The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, pipeline.py,
-context_parallel.py, activation_checkpointing.py, fault.py, checkpoint.py), so that an option and its check live
+context_parallel.py, activation_checkpointing.py, memory.py, fault.py, checkpoint.py), so that an option and its check live
 together; the constructor stays flat. Build it from keyword arguments, or from a dict, YAML or the environment with
 the readers of sources.py, which also states the precedence between them.
 """
@@ -22,6 +22,7 @@ from .checks import ConfigError
 from .context_parallel import ContextParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
+from .memory import MemoryOptions
 from .pipeline import PipelineOptions
 from .tensor_parallel import TensorParallelOptions
 
@@ -31,7 +32,7 @@ from .tensor_parallel import TensorParallelOptions
 # Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, ActivationCheckpointingOptions,
+class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, MemoryOptions, ActivationCheckpointingOptions,
                         ContextParallelOptions, PipelineOptions, TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
 
@@ -44,6 +45,7 @@ class ParallelismConfig(AccelerateAPI, CheckpointOptions, FaultOptions, Activati
         self._check_pipeline_choices()
         self._check_context_parallel()
         self._check_activation_checkpointing()
+        self._check_memory()
         self._check_fault()
         self._check_checkpoint()
         self._check_nonfinite()

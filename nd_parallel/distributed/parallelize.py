@@ -45,7 +45,7 @@ from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
 
-from . import activation_checkpoint, context_parallel, tensor_parallel, transformers_tp
+from . import activation_checkpoint, context_parallel, memory, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
@@ -93,25 +93,32 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
         context_parallel.check_model(model, config, device_type)
     if config.tp_size > 1:
         tensor_parallel.check_model(model, config)
+    if config.tiled_mlp:
+        memory.check_tiled_mlp(model)
 
 
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,
-                     mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    """Step 7 on one model part, in place: TP -> activation checkpointing -> FSDP/HSDP (+ precision policy).
+                     mp_policy: MixedPrecisionPolicy | None = None, config: ParallelismConfig | None = None) -> nn.Module:
+    """Step 7 on one model part, in place: TP -> activation checkpointing -> memory options -> FSDP/HSDP (+ precision
+    and offload policies).
 
-    ``mesh`` may be None for a single process that only checkpoints activations.
+    ``mesh`` may be None for a single process that only checkpoints activations (``config`` then gives the memory
+    options; by default the mesh's). The memory options (memory.py) wrap the checkpointed layer and the MLP before
+    FSDP, whose hooks, like its all-gathers, then stay outside the tiles and the offloaded region.
     """
-    config = mesh.config if mesh is not None else None
+    config = config if config is not None else (mesh.config if mesh is not None else None)
     if config is not None and config.tp_size > 1:
         apply_tp(part, mesh["tp"], plan_overrides=config.tp_plan)
     every = config.activation_checkpointing_every if config is not None else 1
     apply_activation_checkpointing(part, activation_checkpointing, every)
-    # Where no dimension shards, a mixed-precision policy still needs fully_shard (over one rank) to do its casts,
-    # so that TP-only, PP-only and one-process runs follow the same bf16 recipe as the sharded ones.
+    memory.apply_memory_options(part, config)
+    # Where no dimension shards, a mixed-precision or offload policy still needs fully_shard (over one rank) to act,
+    # so that TP-only, PP-only and one-process runs follow the same recipe as the sharded ones.
+    offload = config is not None and config.fsdp_offload_params
     if mesh is not None:
-        dp_mesh = mesh.fsdp_mesh if mesh.fsdp_mesh is not None else (mesh["dp_shard"] if mp_policy else None)
+        dp_mesh = mesh.fsdp_mesh if mesh.fsdp_mesh is not None else (mesh["dp_shard"] if mp_policy or offload else None)
         if dp_mesh is not None:
-            apply_fsdp(part, dp_mesh, mp_policy=mp_policy)
+            apply_fsdp(part, dp_mesh, mp_policy=mp_policy, offload_params=offload)
     return part
 
 
@@ -160,13 +167,14 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
 def _split_and_shard(model: nn.Module, mesh: ParallelMesh | None, config: ParallelismConfig, device: torch.device,
                      ac_mode: str | None, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
     """Steps 6-8: the pipeline split, then every part the same treatment, then the pipeline assembly."""
-    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy)
+    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy, config=config)
     if config.pp_size == 1:
         return parallelize_part(model, mesh, **options)
     if config.pp_backend == "deepspeed":
         from .pipeline.deepspeed_backend import build_deepspeed_pipeline
 
         apply_activation_checkpointing(model, ac_mode, config.activation_checkpointing_every)
+        memory.apply_memory_options(model, config)
         return build_deepspeed_pipeline(model, mesh, config, device)
     from .pipeline import split_pipeline
 

@@ -117,14 +117,40 @@ def test_keys_that_change_training_are_refused_together(tmp_path, data):
         assert needle in message, (needle, message)
 
 
-@pytest.mark.parametrize("fsdp,match", [("  offload_params: true\n", "CPU offload is not implemented"),
-                                        ("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
+@pytest.mark.parametrize("fsdp,match", [("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
                                         ("  sharding_strategy: HYBRID_SHARD\n", "dp_replicate_size and dp_shard"),
                                         ("  mystery: 1\n", "fsdp_config.mystery")])
 def test_fsdp_config_refused_with_the_reason(tmp_path, data, fsdp, match):
     path = real_world(tmp_path, data)
     text = open(path).read().replace("  reshard_after_forward: true\n", "")  # a repeated key: YAML keeps the last
     open(path, "w").write(text.replace("fsdp_config:\n", "fsdp_config:\n" + fsdp))
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
+
+
+@pytest.mark.parametrize("keys,expect", [
+    ({"fsdp_config": {"offload_params": True, "cpu_offload_pin_memory": False}}, {"fsdp_offload_params": True}),
+    ({"gradient_checkpointing": "offload"}, {"activation_checkpointing": "full", "activation_offloading": True}),
+    ({"activation_offloading": "legacy"}, {"activation_offloading": True, "activation_checkpointing": None}),
+    ({"activation_offloading": True, "gradient_checkpointing": True}, {"activation_offloading": True}),
+    ({"tiled_mlp": True, "tiled_mlp_num_shards": 4, "tiled_mlp_use_original_mlp": True},
+     {"tiled_mlp": True, "tiled_mlp_num_shards": 4}),
+])
+def test_memory_keys_map_onto_the_memory_options(tmp_path, data, keys, expect):
+    path = write_yaml(tmp_path / "m.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
+    layout = load_train_config(path).parallel
+    assert {k: getattr(layout, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"gradient_checkpointing": "offload_disk"}, r"gradient_checkpointing='offload_disk': .*use gradient_checkpointing: "
+                                                 "offload"),
+    ({"activation_offloading": "disk"}, r"activation_offloading='disk': .*use activation_offloading: true"),
+    ({"tiled_mlp": True, "tiled_mlp_use_original_mlp": False}, r"tiled_mlp_use_original_mlp=False: the model's own"),
+    ({"tiled_mlp_num_shards": 2}, r"tiled_mlp_num_shards=2 without tiled_mlp=True"),
+])
+def test_memory_keys_we_cannot_honour_are_refused(tmp_path, data, keys, match):
+    path = write_yaml(tmp_path / "m.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
     with pytest.raises(ConfigError, match=match):
         load_train_config(path)
 

@@ -17,7 +17,7 @@ from typing import Any
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 
 from .data.sources import DatasetSpec, dataset_specs, suggest
-from .keys import REFUSED, is_default, is_logging, map_fsdp, value_refusals
+from .keys import REFUSED, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .schema import AXOLOTL_DEFAULTS
 
 
@@ -149,7 +149,8 @@ class TrainConfig:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets"}
-EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None}
+EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
+                  "tiled_mlp_use_original_mlp": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
 # key -> (type, bound, how a value compares with the bound)
 _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
@@ -238,6 +239,8 @@ def _layout(path, d: dict, environ) -> tuple[ParallelismConfig, list[str]]:
     settings, refused = map_fsdp(d.get("fsdp_version"), d.get("fsdp_config"))
     if settings.get("gradient_checkpointing"):
         d["gradient_checkpointing"] = True
+    if settings.get("fsdp_offload_params"):
+        yaml_layout.setdefault("fsdp_offload_params", True)
     sharded = d.get("fsdp") or d.get("fsdp_config") or d.get("fsdp_version")
     if sharded and "dp_shard_size" not in yaml_layout and not any(k.startswith("dp_") for k in yaml_layout):
         yaml_layout["dp_shard_size"] = -1  # Axolotl with FSDP on and no size: shard over the ranks left over
@@ -258,7 +261,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         if data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
             data["resume_from_checkpoint"] = "auto"
     d, unused, refused = _sort_keys(path, data)
-    refused += value_refusals(d)
+    refused += map_memory_keys(d) + value_refusals(d)
     if refused:
         raise ConfigError(f"{path}: {len(refused)} setting(s) cannot be used by nd-parallel train:\n  - "
                           + "\n  - ".join(refused))

@@ -80,8 +80,7 @@ _ANY = "*"
 FSDP_KEYS = {
     "reshard_after_forward": {True: None, False: "nd_parallel reshards each decoder layer after its forward "
                                                  "(FSDP2's default, least memory); drop reshard_after_forward: false"},
-    "offload_params": {False: None, True: "CPU offload is not implemented; shard over more ranks (dp_shard_size) "
-                                          "or split layers with pipeline_parallel_size"},
+    "offload_params": {False: None, True: None},  # mapped to fsdp_offload_params (FSDP2's CPUOffloadPolicy)
     "cpu_offload_pin_memory": {_ANY: None},
     "state_dict_type": {"FULL_STATE_DICT": None, "SHARDED_STATE_DICT": None},  # checkpoints sharded, final full
     "final_state_dict_type": {"FULL_STATE_DICT": None},
@@ -120,6 +119,8 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
             refused.append((f"fsdp_config.{raw}={value!r}", why))
         elif key == "activation_checkpointing" and value:
             settings["gradient_checkpointing"] = True
+        elif key == "offload_params" and value:
+            settings["fsdp_offload_params"] = True
     return settings, refused
 
 
@@ -146,4 +147,30 @@ def value_refusals(d: dict) -> list[str]:
     model_type = d.get("model_type")
     if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
+    return out
+
+
+def map_memory_keys(d: dict) -> list[str]:
+    """Axolotl's memory keys onto ParallelismConfig's memory options (config/memory.py), in place; refusals.
+
+    ``gradient_checkpointing: offload`` = checkpointing + its inputs offloaded to host memory;
+    ``activation_offloading: true | legacy | hidden_states`` = saved activations in host memory (with checkpointing
+    the checkpointed inputs, which is what hidden_states means); ``tiled_mlp_use_original_mlp: false`` asks for
+    a generic Llama MLP instead of the model's own, which nd_parallel never substitutes.
+    """
+    out = []
+    if d.get("gradient_checkpointing") == "offload":
+        d["gradient_checkpointing"] = True
+        d.setdefault("activation_offloading", True)
+    elif d.get("gradient_checkpointing") == "offload_disk":
+        out.append("gradient_checkpointing='offload_disk': offloading to disk is not implemented; use "
+                   "gradient_checkpointing: offload (host memory)")
+    offload = d.get("activation_offloading")
+    if offload in ("legacy", "hidden_states"):
+        d["activation_offloading"] = True
+    elif offload == "disk":
+        out.append("activation_offloading='disk': offloading to disk is not implemented; use activation_offloading: "
+                   "true (host memory)")
+    if d.pop("tiled_mlp_use_original_mlp", True) is False:
+        out.append("tiled_mlp_use_original_mlp=False: the model's own MLP is always the one tiled; drop it")
     return out
