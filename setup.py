@@ -23,9 +23,13 @@ setup(
         "tokenizers>=0.21",  # local tokenizers (make-tiny, the byte-level fallback)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7",
+                 "bitsandbytes>=0.50.2,<0.51"],
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # QLoRA (load_in_4bit) and the 8-bit optimizers; its CPU backend serves CPU ranks. Requires torch (already
+        # installed), numpy and packaging: it pulls no second torch.
+        "qlora": ["bitsandbytes>=0.50.2,<0.51"],
     },
     entry_points={"console_scripts": ["nd-parallel=nd_parallel.cli.main:main"]},
 )

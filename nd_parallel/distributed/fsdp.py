@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from nd_parallel.models.hf import decoder_layers
+from nd_parallel.models.quantized import quantized_params
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,9 @@ def apply_fsdp(
     # pin_memory needs an accelerator; on a CPU-only run the host is the device and the policy moves nothing.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
     kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload}
+    quantized = set(quantized_params(model))
+    if quantized:  # packed 4-bit / 8-bit frozen weights stay whole and replicated (models/quantized.py)
+        kwargs["ignored_params"] = quantized
     layers = decoder_layers(model)
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
+from nd_parallel.models.quantized import check_quantized
 
 from . import activation_checkpoint, context_parallel, memory, tensor_parallel, transformers_tp
 from .activation_checkpoint import apply_activation_checkpointing
@@ -85,6 +86,7 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
 
     check_not_parallelized(model)
     peft.check_peft_model(model)
+    check_quantized(peft.base_of(model), config, has_adapter=peft.base_of(model) is not model)
     model = peft.base_of(model)  # a PeftModel is split as the HF model inside it
     activation_checkpoint.check_model(model, config.activation_checkpointing)
     if config.pp_size > 1:
