@@ -9,7 +9,6 @@ adapter (seeded init, no dropout) is what trains.
 from __future__ import annotations
 
 import torch
-
 from peft_recipe import SEED, lora_config
 
 
