@@ -33,7 +33,7 @@ from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
 from . import accelerate_config, evaluation
-from .checks import check_accelerator, check_fresh_optimizer, check_layout
+from .checks import check_accelerator, check_fresh_optimizer, check_layout, check_optimizer_on_shards
 from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
@@ -190,6 +190,7 @@ class NDParallelPlugin:
         check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
             group["params"] = [q for p in group["params"] for q in self._param_map.get(id(p), [p])]
+        check_optimizer_on_shards(optimizer)
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
         self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused
         self.accelerator._optimizers.append(wrapped)

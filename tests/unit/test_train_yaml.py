@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from nd_parallel.cli.main import main
 from nd_parallel.cli.train.config import load_train_config
@@ -106,14 +107,14 @@ def test_keys_that_change_training_are_refused_together(tmp_path, data):
     path = real_world(tmp_path, data, flash_attention="true", group_by_length="true", optimizer="lion_8bit",
                       fp16="true")
     text = open(path).read() + "load_in_4bit: true\ndeepspeed: deepspeed_configs/zero3.json\nrl: dpo\n"
-    open(path, "w").write(text.replace("adapter: lora", "adapter: qlora"))
+    open(path, "w").write(text)  # adapter: lora with load_in_4bit: Axolotl's rule asks for qlora
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
-    assert "8 setting(s) cannot be used" in message, message
-    for needle in ("flash_attention=True: drop it", "group_by_length=True", "load_in_4bit=True: quantized",
-                   "deepspeed='deepspeed_configs/zero3.json': drop deepspeed", "rl='dpo'", "adapter='qlora': use "
-                   "adapter: lora", "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
+    assert "7 setting(s) cannot be used" in message, message
+    for needle in ("flash_attention=True: drop it", "group_by_length=True", "load_in_4bit=True with adapter='lora'",
+                   "deepspeed='deepspeed_configs/zero3.json': drop deepspeed", "rl='dpo'", "set adapter: qlora",
+                   "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
         assert needle in message, (needle, message)
 
 
@@ -151,6 +152,36 @@ def test_memory_keys_map_onto_the_memory_options(tmp_path, data, keys, expect):
 ])
 def test_memory_keys_we_cannot_honour_are_refused(tmp_path, data, keys, match):
     path = write_yaml(tmp_path / "m.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
+
+
+def test_qlora_keys_are_read(tmp_path, data):
+    path = write_yaml(tmp_path / "q.yml", {"base_model": data["model"], "datasets": [data["text"]], "adapter": "qlora",
+                                          "load_in_4bit": True, "optimizer": "paged_adamw_8bit",
+                                          "bnb_config_kwargs": {"bnb_4bit_quant_type": "nf4",
+                                                                "bnb_4bit_compute_dtype": "torch.float32"}})
+    cfg = load_train_config(path)
+    assert cfg.adapter == "qlora" and cfg.load_in_4bit and cfg.optimizer == "paged_adamw_8bit"
+    from nd_parallel.cli.train.rank import _quantization
+
+    q = _quantization(cfg)["quantization_config"]
+    assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_use_double_quant
+    assert q.bnb_4bit_compute_dtype == torch.float32
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"adapter": "lora", "load_in_4bit": True}, r"load_in_4bit=True with adapter='lora': .*set adapter: qlora"),
+    ({"adapter": "qlora"}, r"adapter='qlora' without load_in_4bit: true"),
+    ({"load_in_4bit": True}, r"load_in_4bit=True with adapter=None"),
+    ({"adapter": "lora", "load_in_8bit": True}, r"load_in_8bit=True: 8-bit bases are not supported .*load_in_4bit"),
+    ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "int3"}},
+     r"bnb_config_kwargs.bnb_4bit_quant_type='int3': use one of nf4, fp4"),
+    ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"llm_int8_threshold": 6}},
+     r"bnb_config_kwargs.llm_int8_threshold: not a 4-bit setting"),
+])
+def test_quantization_keys_we_cannot_honour_are_refused(tmp_path, data, keys, match):
+    path = write_yaml(tmp_path / "q.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
     with pytest.raises(ConfigError, match=match):
         load_train_config(path)
 

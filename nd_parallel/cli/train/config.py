@@ -106,7 +106,12 @@ class TrainConfig:
     """Recompute each decoder layer in backward (activation_checkpointing: full). Default false."""
     # --- adapter
     adapter: str | None = None
-    """"lora" or none (full fine-tuning)."""
+    """"lora", "qlora" (with load_in_4bit) or none (full fine-tuning)."""
+    load_in_4bit: bool = False
+    """Quantize the base to 4 bits as it loads (bitsandbytes NF4, double quantization; adapter: qlora)."""
+    bnb_config_kwargs: dict | None = None
+    """Overrides of the 4-bit settings (keys.BNB_4BIT): quant type, double quant, compute dtype (default: bf16 with
+    bf16: true, else fp32), quant storage."""
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
@@ -163,7 +168,7 @@ _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "
            "eval_steps": (float, 0, ">"), "save_steps": (float, 0, ">"), "adam_beta1": (float, 0, ">="),
            "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">")}
 _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_checkpointing", "lora_target_linear",
-          "shuffle_merged_datasets", "fp16")
+          "shuffle_merged_datasets", "fp16", "load_in_4bit")
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:

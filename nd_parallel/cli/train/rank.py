@@ -38,10 +38,12 @@ def _model(t: TrainConfig, tokenizer):
         from transformers import AutoConfig
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
+    if t.load_in_4bit:  # quantized tensor by tensor as transformers reads the checkpoint: never the whole fp32 model
+        extra.update(_quantization(t))
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         model.resize_token_embeddings(len(tokenizer))
-    if t.adapter != "lora":
+    if t.adapter not in ("lora", "qlora"):
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -51,6 +53,20 @@ def _model(t: TrainConfig, tokenizer):
     return get_peft_model(model, LoraConfig(
         r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
         modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM"))
+
+
+def _quantization(t: TrainConfig) -> dict:
+    """from_pretrained's arguments for Axolotl's load_in_4bit: NF4, double quantization, compute in the training
+    dtype (Axolotl's defaults), overridden by bnb_config_kwargs; on this rank's device."""
+    from transformers import BitsAndBytesConfig
+
+    settings = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": "bfloat16" if t.bf16 is True else "float32", **(t.bnb_config_kwargs or {})}
+    for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+        if key in settings:
+            settings[key] = getattr(torch, str(settings[key]).removeprefix("torch."))
+    device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
 
 
 def _run_train(job: TrainJob) -> dict:
