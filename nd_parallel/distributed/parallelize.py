@@ -16,7 +16,8 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
 6. **Pipeline split** (torch backend): this rank's stage modules, HF names kept. DeepSpeed's engine instead splits,
    shards and schedules by itself after activation checkpointing is applied to the whole model.
 7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> activation checkpointing ->
-   FSDP/HSDP with the precision policy.
+   memory options (tiled MLP, activation offloading: memory.py) -> FSDP/HSDP with the precision and offload policies
+   (a quantized base left out of sharding).
 
    - TP first: it must see plain ``nn.Linear`` weights to split them.
    - Checkpointing next: the recomputed region then holds TP's functional collectives, and FSDP's all-gather
