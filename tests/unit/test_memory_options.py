@@ -127,7 +127,11 @@ def test_fsdp_offload_params_sets_cpu_offload_policy_and_trains_the_same(tmp_pat
     accelerator = Accelerator()
     plugin = NDParallelPlugin(ParallelismConfig(fsdp_offload_params=True))
     plugin.attach(accelerator)
-    run = train_layout(accelerator, plugin, model_dir, samples, Recipe(steps=3))
+    try:
+        run = train_layout(accelerator, plugin, model_dir, samples, Recipe(steps=3))
+    finally:
+        if torch.distributed.is_initialized():  # the one-rank group of fully_shard; later tests check none is left
+            torch.distributed.destroy_process_group()
     groups = [m for m in run.model.modules() if isinstance(m, FSDPModule)]
     assert len(groups) == 3  # two decoder layers + the root, one rank
     assert all(isinstance(g._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy) for g in groups)

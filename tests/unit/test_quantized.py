@@ -71,8 +71,11 @@ def test_8bit_optimizer_trains_plain_parameters_and_is_refused_on_shards():
     opt.step()
     assert opt.state[plain]["state1"].dtype == torch.uint8 and not torch.equal(before, plain)  # 8-bit state, stepped
     single_process_group("cpu")
-    shard = torch.nn.Parameter(distribute_tensor(torch.randn(8192), init_device_mesh("cpu", (1,)), [Shard(0)]))
-    for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
-        with pytest.raises(ValueError, match=r"cannot step sharded \(DTensor\) parameters.*optimizer: adamw_torch"):
-            check_optimizer_on_shards(cls([shard], lr=1e-3))
-    check_optimizer_on_shards(torch.optim.AdamW([shard]))  # torch's own steps DTensors
+    try:
+        shard = torch.nn.Parameter(distribute_tensor(torch.randn(8192), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
+            with pytest.raises(ValueError, match=r"cannot step sharded \(DTensor\) parameters.*adamw_torch"):
+                check_optimizer_on_shards(cls([shard], lr=1e-3))
+        check_optimizer_on_shards(torch.optim.AdamW([shard]))  # torch's own steps DTensors
+    finally:
+        torch.distributed.destroy_process_group()  # later tests check that nothing left a process group
