@@ -167,6 +167,16 @@ def apply_memory_options(part: nn.Module, config) -> None:
     if config is None:
         return
     if config.tiled_mlp:
-        apply_tiled_mlp(part, config.tiled_mlp_num_shards, text_config(part).hidden_size)
+        apply_tiled_mlp(part, config.tiled_mlp_num_shards, _hidden_size(part))
     if config.activation_offloading:
         apply_activation_offloading(part)
+
+
+def _hidden_size(part: nn.Module) -> int:
+    """The model's hidden size, also for a pipeline stage (which may carry no ``config`` of its own: the first
+    submodule that does, an attention module in every HF family, answers)."""
+    holder = next((m for m in part.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
+    if holder is None:
+        raise ValueError(f"tiled_mlp=True: no module of {type(part).__name__} carries the model's config, so the "
+                         "MLP cannot be told from the other Linears; use tiled_mlp=False")
+    return text_config(holder).hidden_size
