@@ -26,8 +26,6 @@ _MATCH_OR_REFUSE = {
     "FSDP_RESHARD_AFTER_FORWARD": (("true",), "every FSDP group reshards after its forward (FSDP2's default, "
                                    "ZeRO-3); keeping the weights gathered is not an option here",
                                    "remove fsdp_reshard_after_forward (or set it to true)"),
-    "FSDP_OFFLOAD_PARAMS": (("false",), "CPU offload of parameters is not implemented",
-                            "set fsdp_offload_params: false (shard over more ranks to save memory)"),
     "FSDP_AUTO_WRAP_POLICY": (("TRANSFORMER_BASED_WRAP",), "nd_parallel wraps one FSDP group per decoder layer "
                               "plus the root, which is TRANSFORMER_BASED_WRAP",
                               "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP or remove it"),
@@ -41,8 +39,6 @@ _MATCH_OR_REFUSE = {
                               "set fsdp_forward_prefetch: false"),
     "FSDP_USE_ORIG_PARAMS": (("true",), "FSDP2 always keeps the original parameters (as DTensors)",
                              "set fsdp_use_orig_params: true or remove it"),
-    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (("false",), "offloading checkpointed activations is not "
-                                              "implemented", "set fsdp_activation_checkpointing_offload: false"),
 }
 # Taken as they are: cpu_ram_efficient_loading / sync_module_states are how every rank gets equal weights. With
 # cpu_ram_efficient_loading on (the launcher's default), transformers' from_pretrained expects Accelerate's FSDP
@@ -51,7 +47,11 @@ _MATCH_OR_REFUSE = {
 # only its slices, with plugin.from_pretrained). min_num_params only applies to SIZE_BASED_WRAP (refused above), the wrapped class is
 # checked against the model at prepare (check_wrap_class).
 _TAKEN = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_SYNC_MODULE_STATES", "FSDP_MIN_NUM_PARAMS",
-          "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_ACTIVATION_CHECKPOINTING")
+          "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_OFFLOAD_PARAMS",
+          "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD")
+# fsdp_offload_params / fsdp_activation_checkpointing_offload: true switch on the memory options of the same meaning
+# (config/memory.py); false leaves the config as it is.
+_MEMORY = {"FSDP_OFFLOAD_PARAMS": "fsdp_offload_params", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "activation_offloading"}
 
 
 def apply_fsdp_keys(config: ParallelismConfig, environ=None) -> ParallelismConfig:
@@ -71,6 +71,9 @@ def apply_fsdp_keys(config: ParallelismConfig, environ=None) -> ParallelismConfi
     if env.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() in _TRUE and config.activation_checkpointing is None:
         # fsdp_activation_checkpointing: true (Accelerate's cp.yaml has it) = recompute each decoder layer
         config = dataclasses.replace(config, activation_checkpointing="full")
+    for var, field in _MEMORY.items():
+        if env.get(var, "false").strip().lower() in _TRUE:
+            config = dataclasses.replace(config, **{field: True})
     return config
 
 

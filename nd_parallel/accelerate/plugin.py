@@ -34,7 +34,7 @@ from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
 from . import accelerate_config, evaluation
-from .checks import check_accelerator, check_fresh_optimizer, check_layout
+from .checks import check_accelerator, check_fresh_optimizer, check_layout, check_optimizer_on_shards
 from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
@@ -180,9 +180,10 @@ class NDParallelPlugin:
     def _mesh_for_prepare(self, distributed: bool) -> ParallelMesh | None:
         """One process has nothing to split but follows the same recipe as every layout: bf16 goes through a
         one-rank fully_shard, which needs a one-rank process group and mesh."""
-        if not distributed and self.mp_policy is not None:
+        one_rank_fsdp = self.mp_policy is not None or self.config.fsdp_offload_params  # offload is FSDP's policy too
+        if not distributed and one_rank_fsdp:
             single_process_group(self.accelerator.device.type)
-        return self.mesh if distributed or self.mp_policy is not None else None
+        return self.mesh if distributed or one_rank_fsdp else None
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if isinstance(optimizer, AcceleratedOptimizer):
@@ -190,6 +191,7 @@ class NDParallelPlugin:
         check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
             group["params"] = [q for p in group["params"] for q in self._param_map.get(id(p), [p])]
+        check_optimizer_on_shards(optimizer)
         prefer_foreach(optimizer)  # one DTensor dispatch per op for all parameters, not one per parameter
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
         self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused

@@ -42,6 +42,11 @@ class CompileOptions:
                 "compile=True with tp_size > 1 is not supported yet: gradients of the tensor-parallel layers "
                 "compiled by torch 2.13 do not match eager (a DTensor gradient comes back as a plain tensor); use "
                 "compile=False with TP, or compile with FSDP/HSDP, PP and CP, which match one process")
+        offloads = [k for k in ("activation_offloading", "tiled_mlp") if getattr(self, k, False)]
+        if offloads:
+            raise ConfigError(
+                f"compile=True with {' and '.join(f'{k}=True' for k in offloads)} is not supported yet: their saved-tensor "
+                "hooks and checkpointed tiles have not been run inside a compiled layer; use compile=False with them")
         if getattr(self, "ep_size", 1) > 1:
             raise ConfigError(
                 "compile=True with ep_size > 1 is not supported yet: the experts' all-to-all dispatch has not been "

@@ -1,9 +1,9 @@
 """`ParallelismConfig`: the degrees and options of an N-D parallel layout, validated before any process group exists.
 
 The class is composed from one mixin per group of options (layout.py, tensor_parallel.py, expert_parallel.py,
-pipeline.py, context_parallel.py, activation_checkpointing.py, compile.py, fault.py, checkpoint.py, loss.py), so that
-an option and its check live together; the constructor stays flat. Build it from keyword arguments, or from a dict,
-YAML or the environment with the readers of sources.py, which also states the precedence between them.
+pipeline.py, context_parallel.py, activation_checkpointing.py, compile.py, memory.py, fault.py, checkpoint.py,
+loss.py), so that an option and its check live together; the constructor stays flat. Build it from keyword arguments,
+or from a dict, YAML or the environment with the readers of sources.py, which also states the precedence between them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .expert_parallel import ExpertParallelOptions
 from .fault import FaultOptions
 from .layout import SIZE_FIELDS, Layout
 from .loss import LossOptions
+from .memory import MemoryOptions
 from .pipeline import PipelineOptions
 from .tensor_parallel import TensorParallelOptions
 
@@ -34,7 +35,7 @@ from .tensor_parallel import TensorParallelOptions
 # Like Accelerate's, the constructor reads PARALLELISM_CONFIG_* for every setting not given (sources.reads_env_for_unset).
 @sources.reads_env_for_unset
 @dataclass(kw_only=True)
-class ParallelismConfig(AccelerateAPI, LossOptions, CheckpointOptions, FaultOptions, CompileOptions,
+class ParallelismConfig(AccelerateAPI, LossOptions, CheckpointOptions, FaultOptions, MemoryOptions, CompileOptions,
                         ActivationCheckpointingOptions, ContextParallelOptions, PipelineOptions, ExpertParallelOptions,
                         TensorParallelOptions, Layout):
     """Sizes of the five parallel dimensions and the options of their backends."""
@@ -50,6 +51,7 @@ class ParallelismConfig(AccelerateAPI, LossOptions, CheckpointOptions, FaultOpti
         self._check_context_parallel()
         self._check_activation_checkpointing()
         self._check_compile()
+        self._check_memory()
         self._check_fault()
         self._check_checkpoint()
         self._check_nonfinite()

@@ -81,8 +81,12 @@ class CheckpointedForward:
         self.context_fn = _selective_context if mode == "selective" else None
 
     def __call__(self, *args, **kwargs):
+        return self.run(self.forward, *args, **kwargs)
+
+    def run(self, forward, *args, **kwargs):
+        """Run ``forward`` (the layer's, or a wrapper of it: memory.py's offloading) as this checkpoint does."""
         if not torch.is_grad_enabled():  # evaluation / generation: nothing to save, run as is (KV cache too)
-            return self.forward(*args, **kwargs)
+            return forward(*args, **kwargs)
         # A KV cache written inside the region would be written again by the recomputation (and attend to the
         # duplicated keys); training has no use for it, so the checkpointed layer runs without one.
         for key in _CACHE_KWARGS:
@@ -94,7 +98,7 @@ class CheckpointedForward:
         # The recomputation runs later, inside backward, where context variables set around this forward (the
         # context-parallel runtime: process group, how the sequence was cut) are gone: replay it in a copy of
         # the context as it is now.
-        run_in_context = functools.partial(contextvars.copy_context().run, self.forward)
+        run_in_context = functools.partial(contextvars.copy_context().run, forward)
         return checkpoint(run_in_context, *args, use_reentrant=False, **extra, **kwargs)
 
 

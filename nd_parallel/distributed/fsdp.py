@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from nd_parallel.models.hf import decoder_layers
+from nd_parallel.models.quantized import quantized_params
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +23,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     experts: list[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
+    offload_params: bool = False,
 ) -> int:
     """Shard ``model`` in place over ``dp_mesh`` (1-D: FSDP, 2-D: HSDP). Returns the number of groups.
 
@@ -29,8 +32,16 @@ def apply_fsdp(
 
     Gradients are *summed*, not averaged, across data-parallel ranks: the loss each rank backpropagates is
     already its share of the global-token mean (see ``loss.py``), so the sum is the true gradient.
+
+    ``offload_params``: FSDP2's ``CPUOffloadPolicy``: sharded parameters, gradients and the optimizer step on the
+    host, each group copied to the device for its forward and backward. Pinned host memory where there is CUDA.
     """
-    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    # pin_memory needs an accelerator; on a CPU-only run the host is the device and the policy moves nothing.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params else OffloadPolicy()
+    kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload}
+    quantized = set(quantized_params(model))
+    if quantized:  # packed 4-bit / 8-bit frozen weights stay whole and replicated (models/quantized.py)
+        kwargs["ignored_params"] = quantized
     layers = decoder_layers(model)
     for module in experts:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mesh=expert_mesh))
@@ -45,5 +56,6 @@ def apply_fsdp(
         # A custom factor otherwise selects PREMUL_SUM, which gloo lacks; with factor 1 a plain SUM is exact.
         module.set_force_sum_reduction_for_comms(True)
     kind = "HSDP" if dp_mesh.ndim == 2 else "FSDP"
-    logger.info("applied %s over %s ranks to %d layers + root", kind, "x".join(map(str, dp_mesh.shape)), len(layers))
+    logger.info("applied %s over %s ranks to %d layers + root%s", kind, "x".join(map(str, dp_mesh.shape)), len(layers),
+                ", parameters offloaded to host memory" if offload_params else "")
     return len(groups)

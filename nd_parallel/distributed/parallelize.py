@@ -16,7 +16,8 @@ sharded in place, or under pipeline parallelism the wrapper of this rank's stage
 6. **Pipeline split** (torch backend): this rank's stage modules, HF names kept. DeepSpeed's engine instead splits,
    shards and schedules by itself after activation checkpointing is applied to the whole model.
 7. **Per model part** (the whole model, or each stage), ``parallelize_part``: TP -> EP -> compile (``compile=True``)
-   -> activation checkpointing -> FSDP/HSDP with the precision policy.
+   -> activation checkpointing -> memory options (tiled MLP, activation offloading: memory.py) -> FSDP/HSDP with the
+   precision and offload policies (a quantized base left out of sharding).
 
    - TP first: it must see plain ``nn.Linear`` weights to split them.
    - EP next (``expert_parallel``): the experts' stacked weights become ep-sharded DTensors and their calls go
@@ -48,8 +49,17 @@ from torch.distributed.tensor import DTensor
 from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
+from nd_parallel.models.quantized import check_quantized
 
-from . import activation_checkpoint, context_parallel, expert_parallel, router_loss, tensor_parallel, transformers_tp
+from . import (
+    activation_checkpoint,
+    context_parallel,
+    expert_parallel,
+    memory,
+    router_loss,
+    tensor_parallel,
+    transformers_tp,
+)
 from .activation_checkpoint import apply_activation_checkpointing
 from .chunked_loss import ChunkedLoss
 from .compile import apply_compile, check_backend
@@ -91,6 +101,7 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
 
     check_not_parallelized(model)
     peft.check_peft_model(model)
+    check_quantized(peft.base_of(model), config, has_adapter=peft.base_of(model) is not model)
     model = peft.base_of(model)  # a PeftModel is split as the HF model inside it
     activation_checkpoint.check_model(model, config.activation_checkpointing)
     if config.compile:
@@ -103,29 +114,36 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
         tensor_parallel.check_model(model, config)
     expert_parallel.check_model(model, config)
     router_loss.check_model(model, config)
+    if config.tiled_mlp:
+        memory.check_tiled_mlp(model)
 
 
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,
-                     mp_policy: MixedPrecisionPolicy | None = None, compile_backend: str | None = None) -> nn.Module:
-    """Step 7 on one model part, in place: TP -> EP -> compile -> activation checkpointing -> FSDP/HSDP (+ precision
-    policy). ``compile_backend``: compile each decoder layer with it (compile.py says why there in the order).
+                     mp_policy: MixedPrecisionPolicy | None = None, config: ParallelismConfig | None = None) -> nn.Module:
+    """Step 7 on one model part, in place: TP -> EP -> compile -> activation checkpointing -> memory options ->
+    FSDP/HSDP (+ precision and offload policies). compile.py says why compiling sits there in the order.
 
-    ``mesh`` may be None for a single process that only checkpoints activations.
+    ``mesh`` may be None for a single process that only checkpoints activations (``config`` then gives the memory
+    options; by default the mesh's). The memory options (memory.py) wrap the checkpointed layer and the MLP before
+    FSDP, whose hooks, like its all-gathers, then stay outside the tiles and the offloaded region.
     """
-    config = mesh.config if mesh is not None else None
+    config = config if config is not None else (mesh.config if mesh is not None else None)
     if config is not None and config.tp_size > 1:
         apply_tp(part, mesh["tp"], plan_overrides=config.tp_plan)
     experts = expert_parallel.apply_ep(part, mesh["ep"]) if config is not None and config.ep_size > 1 else []
-    if compile_backend is not None:
-        apply_compile(part, compile_backend)
+    if config is not None and config.compile:
+        apply_compile(part, config.compile_backend)
     every = config.activation_checkpointing_every if config is not None else 1
     apply_activation_checkpointing(part, activation_checkpointing, every)
-    # Where no dimension shards, a mixed-precision policy still needs fully_shard (over one rank) to do its casts,
-    # so that TP-only, PP-only and one-process runs follow the same bf16 recipe as the sharded ones.
+    memory.apply_memory_options(part, config)
+    # Where no dimension shards, a mixed-precision or offload policy still needs fully_shard (over one rank) to act,
+    # so that TP-only, PP-only and one-process runs follow the same recipe as the sharded ones.
+    offload = config is not None and config.fsdp_offload_params
     if mesh is not None:
-        dp_mesh = mesh.fsdp_mesh if mesh.fsdp_mesh is not None else (mesh["dp_shard"] if mp_policy else None)
+        dp_mesh = mesh.fsdp_mesh if mesh.fsdp_mesh is not None else (mesh["dp_shard"] if mp_policy or offload else None)
         if dp_mesh is not None:
-            apply_fsdp(part, dp_mesh, mp_policy=mp_policy, experts=experts, expert_mesh=mesh.expert_fsdp_mesh)
+            apply_fsdp(part, dp_mesh, mp_policy=mp_policy, experts=experts, expert_mesh=mesh.expert_fsdp_mesh,
+                       offload_params=offload)
     return part
 
 
@@ -176,14 +194,14 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
 def _split_and_shard(model: nn.Module, mesh: ParallelMesh | None, config: ParallelismConfig, device: torch.device,
                      ac_mode: str | None, mp_policy: MixedPrecisionPolicy | None) -> nn.Module:
     """Steps 6-8: the pipeline split, then every part the same treatment, then the pipeline assembly."""
-    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy,
-                   compile_backend=config.compile_backend if config.compile else None)
+    options = dict(activation_checkpointing=ac_mode, mp_policy=mp_policy, config=config)
     if config.pp_size == 1:
         return parallelize_part(model, mesh, **options)
     if config.pp_backend == "deepspeed":
         from .pipeline.deepspeed_backend import build_deepspeed_pipeline
 
         apply_activation_checkpointing(model, ac_mode, config.activation_checkpointing_every)
+        memory.apply_memory_options(model, config)
         return build_deepspeed_pipeline(model, mesh, config, device)
     from .pipeline import split_pipeline
 

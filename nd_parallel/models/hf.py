@@ -303,3 +303,31 @@ def head_parameters(model: nn.Module) -> list[nn.Parameter]:
     found = {id(p): p for p in (head.parameters() if head is not None else [])}
     found.update({id(p): p for p in model.parameters() if id(p) not in inside})
     return list(found.values())
+
+
+# ------------------------------------------------------------------------------------------------- MLP
+def _only_linears(module: nn.Module) -> list[nn.Linear]:
+    """The Linears of ``module`` if every parameter in it belongs to one (LoRA's and quantized Linears count)."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    owned = {id(p) for lin in linears for p in lin.parameters()}
+    return linears if all(id(p) in owned for p in module.parameters()) else []
+
+
+def layer_mlp(layer: nn.Module, hidden_size: int) -> tuple[str, nn.Module] | None:
+    """The decoder layer's per-token MLP: (child name, module), or None where there is not exactly one.
+
+    Found from the module tree, not from names: the one direct child that holds only Linears (two or more), reads
+    and writes the hidden size, and neither calls transformers' attention function nor mixes the sequence itself.
+    A mixture of experts (expert weights outside Linears, a router) is not a per-token MLP of this kind.
+    """
+    found = []
+    for name, child in layer.named_children():
+        linears = _only_linears(child)
+        if len(linears) < 2 or attention_keywords(type(child)):
+            continue
+        if any(isinstance(m, nn.Conv1d) or _state_space_kernel(m) for m in child.modules()):
+            continue
+        if any(lin.in_features == hidden_size for lin in linears) and any(lin.out_features == hidden_size
+                                                                        for lin in linears):
+            found.append((name, child))
+    return found[0] if len(found) == 1 else None

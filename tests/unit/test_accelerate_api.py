@@ -136,16 +136,17 @@ def test_fsdp_keys_at_the_launchers_defaults_or_ours_take_effect():
     assert apply_fsdp_keys(ParallelismConfig(activation_checkpointing="selective"), cp_yaml).activation_checkpointing \
         == "selective"  # the config's own mode is the more specific one
     assert apply_fsdp_keys(config, {"FSDP_OFFLOAD_PARAMS": "true"}) == config  # not an FSDP launch: not ours to read
+    offload = apply_fsdp_keys(config, {**LAUNCHER_DEFAULTS, "FSDP_OFFLOAD_PARAMS": "true",
+                                       "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"})
+    assert offload.fsdp_offload_params and offload.activation_offloading  # the memory options of the same meaning
 
 
 @pytest.mark.parametrize("var,value,match", [
-    ("FSDP_OFFLOAD_PARAMS", "true", r"fsdp_offload_params: 'true' cannot take effect: CPU offload"),
     ("FSDP_RESHARD_AFTER_FORWARD", "false", r"fsdp_reshard_after_forward: 'false' cannot take effect"),
     ("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT", r"fsdp_state_dict_type: 'FULL_STATE_DICT' .* SHARDED_STATE_DICT"),
     ("FSDP_VERSION", "1", r"fsdp_version: '1' cannot take effect: nd_parallel shards with FSDP2"),
     ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", r"fsdp_auto_wrap_policy: 'SIZE_BASED_WRAP' cannot take effect"),
     ("FSDP_SHARDING_STRATEGY", "HYBRID_SHARD", r"dp_replicate_size replicates \(HSDP\)"),
-    ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true", r"offloading checkpointed activations is not implemented"),
     ("FSDP_IGNORED_MODULES", "lm_head", r"FSDP_IGNORED_MODULES='lm_head' .* is not one nd_parallel knows"),
 ])
 def test_fsdp_keys_we_cannot_honour_are_refused(var, value, match):

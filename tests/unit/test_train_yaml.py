@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from nd_parallel.cli.main import main
 from nd_parallel.cli.train.config import load_train_config
@@ -106,25 +107,81 @@ def test_keys_that_change_training_are_refused_together(tmp_path, data):
     path = real_world(tmp_path, data, flash_attention="true", group_by_length="true", optimizer="lion_8bit",
                       fp16="true")
     text = open(path).read() + "load_in_4bit: true\ndeepspeed: deepspeed_configs/zero3.json\nrl: dpo\n"
-    open(path, "w").write(text.replace("adapter: lora", "adapter: qlora"))
+    open(path, "w").write(text)  # adapter: lora with load_in_4bit: Axolotl's rule asks for qlora
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
     assert "7 setting(s) cannot be used" in message, message
-    for needle in ("group_by_length=True", "load_in_4bit=True: quantized",
-                   "deepspeed and fsdp/fsdp_config are both set", "rl='dpo'", "adapter='qlora': use "
-                   "adapter: lora", "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
+    for needle in ("group_by_length=True", "load_in_4bit=True with adapter='lora'",
+                   "deepspeed and fsdp/fsdp_config are both set", "rl='dpo'", "set adapter: qlora",
+                   "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
         assert needle in message, (needle, message)
 
 
-@pytest.mark.parametrize("fsdp,match", [("  offload_params: true\n", "CPU offload of the sharded parameters is not"),
-                                        ("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
+@pytest.mark.parametrize("fsdp,match", [("  reshard_after_forward: false\n", "drop reshard_after_forward: false"),
                                         ("  sharding_strategy: HYBRID_SHARD\n", "dp_replicate_size and dp_shard"),
                                         ("  mystery: 1\n", "fsdp_config.mystery")])
 def test_fsdp_config_refused_with_the_reason(tmp_path, data, fsdp, match):
     path = real_world(tmp_path, data)
     text = open(path).read().replace("  reshard_after_forward: true\n", "")  # a repeated key: YAML keeps the last
     open(path, "w").write(text.replace("fsdp_config:\n", "fsdp_config:\n" + fsdp))
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
+
+
+@pytest.mark.parametrize("keys,expect", [
+    ({"fsdp_config": {"offload_params": True, "cpu_offload_pin_memory": False}}, {"fsdp_offload_params": True}),
+    ({"gradient_checkpointing": "offload"}, {"activation_checkpointing": "full", "activation_offloading": True}),
+    ({"activation_offloading": "legacy"}, {"activation_offloading": True, "activation_checkpointing": None}),
+    ({"activation_offloading": True, "gradient_checkpointing": True}, {"activation_offloading": True}),
+    ({"tiled_mlp": True, "tiled_mlp_num_shards": 4, "tiled_mlp_use_original_mlp": True},
+     {"tiled_mlp": True, "tiled_mlp_num_shards": 4}),
+])
+def test_memory_keys_map_onto_the_memory_options(tmp_path, data, keys, expect):
+    path = write_yaml(tmp_path / "m.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
+    layout = load_train_config(path).parallel
+    assert {k: getattr(layout, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"gradient_checkpointing": "offload_disk"}, r"gradient_checkpointing='offload_disk': .*use gradient_checkpointing: "
+                                                 "offload"),
+    ({"activation_offloading": "disk"}, r"activation_offloading='disk': .*use activation_offloading: true"),
+    ({"tiled_mlp": True, "tiled_mlp_use_original_mlp": False}, r"tiled_mlp_use_original_mlp=False: the model's own"),
+    ({"tiled_mlp_num_shards": 2}, r"tiled_mlp_num_shards=2 without tiled_mlp=True"),
+])
+def test_memory_keys_we_cannot_honour_are_refused(tmp_path, data, keys, match):
+    path = write_yaml(tmp_path / "m.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
+    with pytest.raises(ConfigError, match=match):
+        load_train_config(path)
+
+
+def test_qlora_keys_are_read(tmp_path, data):
+    path = write_yaml(tmp_path / "q.yml", {"base_model": data["model"], "datasets": [data["text"]], "adapter": "qlora",
+                                          "load_in_4bit": True, "optimizer": "paged_adamw_8bit",
+                                          "bnb_config_kwargs": {"bnb_4bit_quant_type": "nf4",
+                                                                "bnb_4bit_compute_dtype": "torch.float32"}})
+    cfg = load_train_config(path)
+    assert cfg.adapter == "qlora" and cfg.load_in_4bit and cfg.optimizer == "paged_adamw_8bit"
+    from nd_parallel.cli.train.rank import _quantization
+
+    q = _quantization(cfg)["quantization_config"]
+    assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_use_double_quant
+    assert q.bnb_4bit_compute_dtype == torch.float32
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"adapter": "lora", "load_in_4bit": True}, r"load_in_4bit=True with adapter='lora': .*set adapter: qlora"),
+    ({"adapter": "qlora"}, r"adapter='qlora' without load_in_4bit: true"),
+    ({"load_in_4bit": True}, r"load_in_4bit=True with adapter=None"),
+    ({"adapter": "lora", "load_in_8bit": True}, r"load_in_8bit=True: 8-bit bases are not supported .*load_in_4bit"),
+    ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "int3"}},
+     r"bnb_config_kwargs.bnb_4bit_quant_type='int3': use one of nf4, fp4"),
+    ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"llm_int8_threshold": 6}},
+     r"bnb_config_kwargs.llm_int8_threshold: not a 4-bit setting"),
+])
+def test_quantization_keys_we_cannot_honour_are_refused(tmp_path, data, keys, match):
+    path = write_yaml(tmp_path / "q.yml", {"base_model": data["model"], "datasets": [data["text"]], **keys})
     with pytest.raises(ConfigError, match=match):
         load_train_config(path)
 

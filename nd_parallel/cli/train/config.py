@@ -21,7 +21,7 @@ from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
-from .keys import REFUSED, is_default, is_logging, map_fsdp, value_refusals
+from .keys import REFUSED, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .schema import AXOLOTL_DEFAULTS
 
 
@@ -131,7 +131,12 @@ class TrainConfig:
     """The Liger plugin's liger_* switches, applied on CUDA ranks where liger-kernel is installed."""
     # --- adapter
     adapter: str | None = None
-    """"lora" or none (full fine-tuning)."""
+    """"lora", "qlora" (with load_in_4bit) or none (full fine-tuning)."""
+    load_in_4bit: bool = False
+    """Quantize the base to 4 bits as it loads (bitsandbytes NF4, double quantization; adapter: qlora)."""
+    bnb_config_kwargs: dict | None = None
+    """Overrides of the 4-bit settings (keys.BNB_4BIT): quant type, double quant, compute dtype (default: bf16 with
+    bf16: true, else fp32), quant storage."""
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
@@ -182,7 +187,8 @@ _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unus
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
                "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS}
-EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None}
+EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
+                  "tiled_mlp_use_original_mlp": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
 # key -> (type, bound, how a value compares with the bound)
 _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "max_steps": (int, 1, ">="),
@@ -196,7 +202,7 @@ _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "
            "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">"), "min_sample_len": (int, 1, ">="),
            "loss_watchdog_threshold": (float, 0, ">"), "loss_watchdog_patience": (int, 1, ">=")}
 _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_checkpointing", "lora_target_linear",
-          "shuffle_merged_datasets", "fp16")
+          "shuffle_merged_datasets", "fp16", "load_in_4bit")
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:
@@ -341,7 +347,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
             data["resume_from_checkpoint"] = "auto"
     plugin_keys = equivalents.plugin_keys(data.get("plugins"))
     d, unused, sorted_out = _sort_keys(path, data, plugin_keys)
-    refused += sorted_out + value_refusals(d) + _types(d)
+    refused += sorted_out + map_memory_keys(d) + value_refusals(d) + _types(d)
     mapped = _mapped(data, plugin_keys)
     refused += mapped.refused
     if "base_model" not in d:

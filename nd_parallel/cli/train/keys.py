@@ -15,7 +15,9 @@ from typing import Any
 
 from .equivalents import offload_setting
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit")
+# bitsandbytes' (built by the Trainer): plain-tensor layouts only, refused on DTensor parameters at prepare
+# (nd_parallel/accelerate/checks.py check_optimizer_on_shards); "paged" falls back to unpaged on CPU.
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 
@@ -35,10 +37,9 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {
-    "load_in_4bit": "quantized base weights are not implemented: drop it and train LoRA on the fp32/bf16 model "
-                    "(adapter: lora, bf16: true)",
-    "load_in_8bit": "quantized base weights are not implemented: drop it and train LoRA on the fp32/bf16 model "
-                    "(adapter: lora, bf16: true)",
+    "load_in_8bit": "8-bit bases are not supported (bitsandbytes keeps their scales as extra state that torch's "
+                    "distributed state dict cannot address): use load_in_4bit with adapter: qlora, or adapter: lora "
+                    "on the unquantized model",
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
@@ -128,9 +129,7 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
 def value_refusals(d: dict) -> list[str]:
     """Implemented keys set to a value that is not (qlora, other optimizers, fp16, ...)."""
     out = []
-    if d.get("adapter") not in (None, "lora"):
-        fix = "use adapter: lora and drop load_in_4bit" if d["adapter"] == "qlora" else "use adapter: lora or none"
-        out.append(f"adapter={d['adapter']!r}: {fix}")
+    out += _quantization_refusals(d)
     if d.get("optimizer", "adamw_torch") not in OPTIMIZERS:
         out.append(f"optimizer={d['optimizer']!r}: use one of {', '.join(OPTIMIZERS)}")
     if d.get("lr_scheduler", "cosine") not in SCHEDULERS:
@@ -145,4 +144,61 @@ def value_refusals(d: dict) -> list[str]:
     model_type = d.get("model_type")
     if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
+    return out
+
+
+def map_memory_keys(d: dict) -> list[str]:
+    """Axolotl's memory keys onto ParallelismConfig's memory options (config/memory.py), in place; refusals.
+
+    ``gradient_checkpointing: offload`` = checkpointing + its inputs offloaded to host memory;
+    ``activation_offloading: true | legacy | hidden_states`` = saved activations in host memory (with checkpointing
+    the checkpointed inputs, which is what hidden_states means); ``tiled_mlp_use_original_mlp: false`` asks for
+    a generic Llama MLP instead of the model's own, which nd_parallel never substitutes.
+    """
+    out = []
+    if d.get("gradient_checkpointing") == "offload":
+        d["gradient_checkpointing"] = True
+        d.setdefault("activation_offloading", True)
+    elif d.get("gradient_checkpointing") == "offload_disk":
+        out.append("gradient_checkpointing='offload_disk': offloading to disk is not implemented; use "
+                   "gradient_checkpointing: offload (host memory)")
+    offload = d.get("activation_offloading")
+    if offload in ("legacy", "hidden_states"):
+        d["activation_offloading"] = True
+    elif offload == "disk":
+        out.append("activation_offloading='disk': offloading to disk is not implemented; use activation_offloading: "
+                   "true (host memory)")
+    if d.pop("tiled_mlp_use_original_mlp", True) is False:
+        out.append("tiled_mlp_use_original_mlp=False: the model's own MLP is always the one tiled; drop it")
+    return out
+
+
+BNB_4BIT = {"bnb_4bit_quant_type": ("nf4", "fp4"), "bnb_4bit_use_double_quant": (True, False),
+            "bnb_4bit_compute_dtype": ("bfloat16", "float32", "float16"),
+            "bnb_4bit_quant_storage": ("uint8", "bfloat16", "float32")}
+
+
+def _quantization_refusals(d: dict) -> list[str]:
+    """adapter / load_in_4bit / bnb_config_kwargs: Axolotl's rules (qlora needs load_in_4bit; load_in_4bit needs
+    qlora), and the bitsandbytes settings we pass on."""
+    out, adapter, four = [], d.get("adapter"), bool(d.get("load_in_4bit"))
+    if adapter not in (None, "lora", "qlora"):
+        out.append(f"adapter={adapter!r}: use adapter: lora, qlora (with load_in_4bit) or none")
+    elif adapter == "qlora" and not four:
+        out.append("adapter='qlora' without load_in_4bit: true; QLoRA trains on a 4-bit base: set load_in_4bit: true "
+                   "(or adapter: lora for an unquantized base)")
+    elif four and adapter != "qlora":
+        out.append(f"load_in_4bit=True with adapter={adapter!r}: a 4-bit base trains only through an adapter, and "
+                   "Axolotl's rule names it qlora: set adapter: qlora")
+    kwargs = d.get("bnb_config_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        return out + [f"bnb_config_kwargs={kwargs!r}: write a mapping, e.g. {{bnb_4bit_quant_type: nf4}}"]
+    for key, value in kwargs.items():
+        if key not in BNB_4BIT:
+            out.append(f"bnb_config_kwargs.{key}: not a 4-bit setting nd_parallel passes on; use "
+                       f"{', '.join(BNB_4BIT)}")
+        elif str(value).removeprefix("torch.") not in map(str, BNB_4BIT[key]):
+            out.append(f"bnb_config_kwargs.{key}={value!r}: use one of {', '.join(map(str, BNB_4BIT[key]))}")
+    if kwargs and not four:
+        out.append("bnb_config_kwargs without load_in_4bit: true: set load_in_4bit (adapter: qlora) or drop it")
     return out

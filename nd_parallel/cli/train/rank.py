@@ -41,12 +41,14 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = t.attn_implementation
+    if t.load_in_4bit:  # quantized tensor by tensor as transformers reads the checkpoint: never the whole fp32 model
+        extra.update(_quantization(t))
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         model.resize_token_embeddings(len(tokenizer))
     if t.liger:
         _apply_liger(model, t.liger)
-    if t.adapter != "lora":
+    if t.adapter not in ("lora", "qlora"):
         if t.unfrozen_parameters:
             freeze_except(model, t.unfrozen_parameters)
         return model
@@ -85,6 +87,20 @@ def _apply_liger(model, switches: dict) -> None:
              "liger_swiglu": "swiglu", "liger_layer_norm": "layer_norm", "liger_cross_entropy": "cross_entropy",
              "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy"}
     _apply_liger_kernel_to_instance(model=model, **{names[k]: bool(v) for k, v in switches.items() if k in names})
+
+
+def _quantization(t: TrainConfig) -> dict:
+    """from_pretrained's arguments for Axolotl's load_in_4bit: NF4, double quantization, compute in the training
+    dtype (Axolotl's defaults), overridden by bnb_config_kwargs; on this rank's device."""
+    from transformers import BitsAndBytesConfig
+
+    settings = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": "bfloat16" if t.bf16 is True else "float32", **(t.bnb_config_kwargs or {})}
+    for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+        if key in settings:
+            settings[key] = getattr(torch, str(settings[key]).removeprefix("torch."))
+    device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
 
 
 def _run_train(job: TrainJob) -> dict:

@@ -1,0 +1,31 @@
+"""The QLoRA / 8-bit LoRA parity recipe shared by the rank program (qlora_worker.py) and the one-process reference.
+
+The base is quantized by transformers' bitsandbytes integration as it loads the checkpoint (NF4 with double
+quantization, or LLM.int8()). Quantization is a deterministic function of the weights (measured: the same packed
+bytes and statistics on every load), so every rank and the reference hold the same quantized base, and the
+adapter (seeded init, no dropout) is what trains.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft_recipe import SEED, lora_config
+
+
+def quantization(bits: int):
+    from transformers import BitsAndBytesConfig
+
+    if bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float32)
+
+
+def qlora_model(model_dir, bits: int = 4):
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization(bits), device_map="cpu",
+                                                 dtype=torch.float32)
+    torch.manual_seed(SEED)
+    return get_peft_model(model, lora_config())
