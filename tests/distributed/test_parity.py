@@ -91,6 +91,14 @@ LAUNCHES = {
         "ulysses2": L(cp_size=2, cp_backend="ulysses"),
         "cp2_packed": L(cp_size=2, samples=PACKED),
     }),
+    # Mixture-of-experts and MLA families under their own tp_plans (moe_tp_experts, packed_colwise, stacked expert
+    # weights, mla_kv_a_proj, shared experts, dense first layers), alone and under FSDP.
+    "moe2r": (2, 2, {
+        "tp2": L(tp_size=2),
+    }),
+    "moe4r": (4, 2, {
+        "fsdp2_tp2": L(dp_shard_size=2, tp_size=2),
+    }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
         "tp2": L(4, tp_size=2),
@@ -110,14 +118,31 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
+            "moe2r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"],
+            "moe4r": ["qwen3_moe", "deepseek_v3", "deepseek_v2"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
+# Tiny MoE configs: 4 experts, top 2, expert width 32 (tp=2 splits each packed half evenly). deepseek: MLA (q/kv LoRA
+# ranks, rope part 8), one shared expert, a dense first layer, one routing group; qwen3_moe: a dense first layer too.
+_DEEPSEEK = dict(n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                 topk_group=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                 num_key_value_heads=4, intermediate_size=64, tie_word_embeddings=False, num_experts_per_tok=2)
+MOE_VARIANTS = {
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    mlp_only_layers=[0], intermediate_size=64, tie_word_embeddings=False)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False)),
+    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=32)),  # its plan leaves MLA attention replicated
+    "deepseek_v2": ("deepseek_v2", dict(_DEEPSEEK, q_lora_rank=None)),  # its plan splits MLA heads: mla_kv_a_proj
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, tie_word_embeddings=False)),
+}
 # Family names that are a family with config overrides. use_cache=False: transformers then masks packed
 # documents apart (with the default use_cache=True it does not; both are reproduced, see
 # context_parallel/sharding.isolates_documents).
 VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocache": ("llama", dict(use_cache=False)),
             # Attention sinks (s_aux) on every layer, a window of 8 on every other one; a small MoE (4 experts, top 2).
             "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
-            "opt": ("opt", dict(dropout=0.0))}  # OPT's default dropout 0.1 would differ per process
+            "opt": ("opt", dict(dropout=0.0)), **MOE_VARIANTS}  # OPT's default dropout 0.1 would differ per process
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 
