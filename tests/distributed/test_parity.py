@@ -91,14 +91,6 @@ LAUNCHES = {
         "ulysses2": L(cp_size=2, cp_backend="ulysses"),
         "cp2_packed": L(cp_size=2, samples=PACKED),
     }),
-    # Mixture-of-experts and MLA families under their own tp_plans (moe_tp_experts, packed_colwise, stacked expert
-    # weights, mla_kv_a_proj, shared experts, dense first layers), alone and under FSDP.
-    "moe2r": (2, 2, {
-        "tp2": L(tp_size=2),
-    }),
-    "moe4r": (4, 2, {
-        "fsdp2_tp2": L(dp_shard_size=2, tp_size=2),
-    }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
         "tp2": L(4, tp_size=2),
@@ -112,14 +104,17 @@ EXCLUDE = {("gpt2", "tp2")}  # gpt2 has no tp_plan: refused, see tests/unit/test
 EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
-FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
+# Mixture-of-experts and MLA families under their own tp_plans, in the 2- and 4-rank launches (no launch of their
+# own: start-up is most of a launch's time): TP2 and FSDP2 x TP2 only, FSDP alone splits them as any model.
+MOE_TP = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"]
+EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2")}
+FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama", "qwen3", "mistral", "gemma",
+                                                                         "deepseek_v2"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
             "pp4r": ["llama", "qwen3", "mistral"],
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
-            "moe2r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"],
-            "moe4r": ["qwen3_moe", "deepseek_v3", "deepseek_v2"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
 # Tiny MoE configs: 4 experts, top 2, expert width 32 (tp=2 splits each packed half evenly). deepseek: MLA (q/kv LoRA
 # ranks, rope part 8), one shared expert, a dense first layer, one routing group; qwen3_moe: a dense first layer too.
