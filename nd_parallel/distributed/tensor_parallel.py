@@ -155,6 +155,11 @@ def check_module_types(model: nn.Module, overrides: dict[str, str | None] | None
             f"(None keeps `{name}` replicated){'' if len(inner) == 1 else ', or shard the module inside it'}")
 
 
+def _key_of(plan: dict[str, str], name: str) -> str:
+    """The plan key (pattern) that matched a concrete name: what an override must name."""
+    return next((k for k in plan if _pattern_to_regex(k).match(name)), name)
+
+
 def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
     """Parameter entries (stacked expert weights, sinks) must be placeable, divisible, and owned by a module whose
     forward runs on local shards; such a module's own parameters must all be split (a whole one would be counted
@@ -164,7 +169,8 @@ def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) ->
     for name, style in params.items():
         owner, _, own = name.rpartition(".")
         if style not in moe.PARAM_STYLES:
-            raise ValueError(f"tp_plan gives the parameter '{name}' the style {style!r}, which places modules; "
+            raise ValueError(f"tp_plan entry '{_key_of(plan, name)}': {style!r} places modules, but it matched the "
+                             f"parameter '{name}'; "
                              f"parameter styles: {list(moe.PARAM_STYLES)}")
         split = moe.shard_dim_size(style, own, model.get_parameter(name).shape)
         if split is None:
@@ -173,8 +179,8 @@ def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) ->
             raise NotImplementedError(
                 f"tp_plan splits the parameter '{name}' ({style}) but its module '{owner}' has no "
                 f"{' / '.join(moe.LOCAL_FORWARD)} entry, so its forward would mix shards with whole tensors; add "
-                f"tp_plan={{'{owner}': 'local_params'}} (or 'moe_tp_experts' for experts), or keep it whole with "
-                f"tp_plan={{'{name}': None}}")
+                f"tp_plan={{'{_key_of(plan, owner) if owner in modules else owner}': 'local_params'}} (or "
+                f"'moe_tp_experts' for experts), or keep it whole with tp_plan={{'{_key_of(plan, name)}': None}}")
         dim, packed = split
         size = model.get_parameter(name).shape[dim]
         if size % (tp_size * packed):
@@ -183,16 +189,25 @@ def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) ->
                              f"{', two packed halves' if packed == 2 else ''}) of '{name}' ({style}) evenly; "
                              f"use tp_size in {ok}")
     for owner, style in modules.items():
+        if style == "mla_kv_a_proj":
+            _rope_dim(hf.text_config(model))
         if style != "moe_tp_experts":
             continue
-        for own, _ in model.get_submodule(owner).named_parameters(recurse=False):
+        owned = list(model.get_submodule(owner).named_parameters(recurse=False))
+        if not owned:
+            raise NotImplementedError(
+                f"tp_plan entry '{_key_of(plan, owner)}': 'moe_tp_experts' is for a module holding stacked expert weights "
+                f"[num_experts, ...]; {type(model.get_submodule(owner)).__name__} owns none (its submodules' own "
+                f"styles split them, and summing its output again would count it tp_size times); keep it whole with "
+                f"tp_plan={{'{_key_of(plan, owner)}': None}}")
+        for own, _ in owned:
             full = f"{owner}.{own}"
             if full not in params or moe.shard_dim_size(params[full], own, model.get_parameter(full).shape) is None:
                 raise NotImplementedError(
                     f"'{owner}' is moe_tp_experts but its parameter '{full}' is whole on every rank: the experts' "
                     f"summed output would count it tp_size={tp_size} times; give it a splitting entry "
-                    f"(tp_plan={{'{full}': 'colwise' or 'packed_colwise'}}) or drop "
-                    f"tp_plan={{'{owner}': None}} with the expert weights' entries")
+                    f"(tp_plan={{'{_key_of(plan, full)}': 'colwise' or 'packed_colwise'}}), or keep the experts "
+                    f"whole with tp_plan={{'{_key_of(plan, owner)}': None}} and None for their weights' entries")
 
 
 def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
