@@ -107,11 +107,11 @@ EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")
 # Mixture-of-experts and MLA families under their own tp_plans, in the 2- and 4-rank launches (no launch of their
 # own: start-up is most of a launch's time): TP2 and FSDP2 x TP2 only, FSDP alone splits them as any model.
 MOE_TP = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"]
-EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2")}
+EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2", "pp4_1f1b", "pp2_fsdp2")}
 FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama", "qwen3", "mistral", "gemma",
                                                                          "deepseek_v2"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
-            "pp4r": ["llama", "qwen3", "mistral"],
+            "pp4r": ["llama", "qwen3", "mistral", "deepseek_v2"],  # deepseek_v2: PP2 x TP2 only
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
