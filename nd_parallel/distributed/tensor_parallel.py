@@ -116,12 +116,11 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     compiled = [(_pattern_to_regex(k), v) for k, v in plan.items()]
     matched = {}
     for name, module in model.named_modules():
-        if next(module.parameters(), None) is None:  # pipeline stand-ins for modules another stage owns
-            continue
-        for regex, style in compiled:
-            if regex.match(name):
-                matched[name] = style
-                break
+        style = next((v for r, v in compiled if r.match(name)), None)
+        # Parameter-free modules are pipeline stand-ins for modules another stage owns, except the one style made
+        # for a parameter-free module (longcat's zero experts: nn.Identity inside the experts).
+        if style is not None and (style == "moe_identity_expert" or next(module.parameters(), None) is not None):
+            matched[name] = style
     return matched
 
 
