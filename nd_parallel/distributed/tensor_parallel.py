@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from nd_parallel.distributed import tensor_parallel_styles as moe
 from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
 from nd_parallel.models import hf
 
@@ -40,17 +41,36 @@ def _replicated_with_grad_allreduce() -> ParallelStyle:
     return SequenceParallel(sequence_dim=0, use_local_output=True)
 
 
-# HF style name -> factory of the torch ParallelStyle with the same input/output layouts.
+# HF style name -> factory (given the model's text config) of the torch ParallelStyle with the same meaning: every
+# style a transformers 5.24 ``base_model_tp_plan`` names. The MoE/MLA ones are ours (tensor_parallel_styles.py).
 STYLES = {
-    "colwise": lambda: ColwiseParallel(),
-    "rowwise": lambda: RowwiseParallel(),
-    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    "replicated_with_grad_allreduce": _replicated_with_grad_allreduce,
+    "colwise": lambda cfg: ColwiseParallel(),
+    "rowwise": lambda cfg: RowwiseParallel(),
+    "colwise_rep": lambda cfg: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda cfg: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda cfg: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda cfg: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda cfg: RowwiseParallel(input_layouts=Replicate()),
+    # torch's ColwiseParallel on an nn.Embedding splits embedding_dim; gathered, as transformers' EmbeddingParallel(1)
+    "embedding_colwise": lambda cfg: ColwiseParallel(output_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda cfg: _replicated_with_grad_allreduce(),
+    "moe_tp_experts": lambda cfg: moe.MoeExperts(),
+    "moe_identity_expert": lambda cfg: moe.IdentityExpert(),
+    "packed_colwise": lambda cfg: moe.PackedColwiseModule(),
+    "packed_rowwise": None,  # parameter entries only (transformers' PackedRowwiseParallel has no forward either)
+    "mla_kv_a_proj": lambda cfg: moe.MlaKvAProj(_rope_dim(cfg)),
+    "local_params": lambda cfg: moe.LocalParams(),
+    "all_reduce": lambda cfg: moe.AllReduceOutput(),
+    "replicate": lambda cfg: moe.Replicated(),
 }
+
+
+def _rope_dim(cfg) -> int:
+    rope = getattr(cfg, "qk_rope_head_dim", None)
+    if rope is None:
+        raise ValueError(f"tp_plan style mla_kv_a_proj needs qk_rope_head_dim in {type(cfg).__name__} (the rope "
+                         "part of the kv_a projection); this model has none: drop that entry with tp_plan={...: None}")
+    return rope
 
 
 def check_styles(plan: dict[str, str | None]) -> None:
@@ -83,17 +103,24 @@ def _pattern_to_regex(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
 
 
+def match_params(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Concrete parameter name -> style for every parameter a plan pattern names (stacked expert weights,
+    attention sinks); module patterns never match a parameter name (first match wins)."""
+    compiled = [(_pattern_to_regex(k), v) for k, v in plan.items()]
+    return {name: style for name, _ in model.named_parameters()
+            for style in [next((v for r, v in compiled if r.match(name)), None)] if style is not None}
+
+
 def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Concrete module name -> style for every module a plan pattern matches (first match wins)."""
     compiled = [(_pattern_to_regex(k), v) for k, v in plan.items()]
     matched = {}
     for name, module in model.named_modules():
-        if next(module.parameters(), None) is None:  # pipeline stand-ins for modules another stage owns
-            continue
-        for regex, style in compiled:
-            if regex.match(name):
-                matched[name] = style
-                break
+        style = next((v for r, v in compiled if r.match(name)), None)
+        # Parameter-free modules are pipeline stand-ins for modules another stage owns, except the one style made
+        # for a parameter-free module (longcat's zero experts: nn.Identity inside the experts).
+        if style is not None and (style == "moe_identity_expert" or next(module.parameters(), None) is not None):
+            matched[name] = style
     return matched
 
 
@@ -102,7 +129,10 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 _SPLITS = {"colwise": (nn.Linear, nn.Embedding), "rowwise": (nn.Linear, nn.Embedding),
            "colwise_rep": (nn.Linear, nn.Embedding), "colwise_gather_output": (nn.Linear, nn.Embedding),
            "rowwise_rep": (nn.Linear, nn.Embedding), "rowwise_split_input": (nn.Linear, nn.Embedding),
-           "embedding_rowwise": (nn.Linear, nn.Embedding), "replicated_with_grad_allreduce": None}
+           "embedding_rowwise": (nn.Linear, nn.Embedding), "embedding_colwise": (nn.Embedding,),
+           "packed_colwise": (nn.Linear,), "packed_rowwise": (), **dict.fromkeys(
+               ("replicated_with_grad_allreduce", "moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj",
+                "local_params", "all_reduce", "replicate"))}
 
 
 def check_module_types(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
@@ -111,6 +141,9 @@ def check_module_types(model: nn.Module, overrides: dict[str, str | None] | None
     for name, style in match_plan(model, resolve_plan(model, overrides)).items():
         needs = _SPLITS[style]
         module = model.get_submodule(name)
+        if needs == ():
+            raise ValueError(f"tp_plan style {style} places parameters, but '{name}' matched the module "
+                             f"{type(module).__name__}; name its parameter (e.g. '{name}.weight') instead")
         if needs is None or isinstance(module, needs) or hasattr(module, "base_layer"):  # PEFT: expand_plan's
             continue
         inner = [f"{name}.{n}" for n, m in module.named_modules() if n and isinstance(m, needs)]
@@ -119,6 +152,61 @@ def check_module_types(model: nn.Module, overrides: dict[str, str | None] | None
             f"`{name}` is a {type(module).__name__}, the tp_plan style {style} needs "
             f"{' or '.join('nn.' + t.__name__ for t in needs)}; pass ParallelismConfig(tp_plan={move}) "
             f"(None keeps `{name}` replicated){'' if len(inner) == 1 else ', or shard the module inside it'}")
+
+
+def _key_of(plan: dict[str, str], name: str) -> str:
+    """The plan key (pattern) that matched a concrete name: what an override must name."""
+    return next((k for k in plan if _pattern_to_regex(k).match(name)), name)
+
+
+def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+    """Parameter entries (stacked expert weights, sinks) must be placeable, divisible, and owned by a module whose
+    forward runs on local shards; such a module's own parameters must all be split (a whole one would be counted
+    tp_size times by the experts' output sum). Checked before any collective."""
+    modules = match_plan(model, plan)
+    params = match_params(model, plan)
+    for name, style in params.items():
+        owner, _, own = name.rpartition(".")
+        if style not in moe.PARAM_STYLES:
+            raise ValueError(f"tp_plan entry '{_key_of(plan, name)}': {style!r} places modules, but it matched the "
+                             f"parameter '{name}'; "
+                             f"parameter styles: {list(moe.PARAM_STYLES)}")
+        split = moe.shard_dim_size(style, own, model.get_parameter(name).shape)
+        if split is None:
+            continue
+        if modules.get(owner) not in moe.LOCAL_FORWARD:
+            raise NotImplementedError(
+                f"tp_plan splits the parameter '{name}' ({style}) but its module '{owner}' has no "
+                f"{' / '.join(moe.LOCAL_FORWARD)} entry, so its forward would mix shards with whole tensors; add "
+                f"tp_plan={{'{_key_of(plan, owner) if owner in modules else owner}': 'local_params'}} (or "
+                f"'moe_tp_experts' for experts), or keep it whole with tp_plan={{'{_key_of(plan, name)}': None}}")
+        dim, packed = split
+        size = model.get_parameter(name).shape[dim]
+        if size % (tp_size * packed):
+            ok = [d for d in range(1, size // packed + 1) if size % (d * packed) == 0]
+            raise ValueError(f"tp_size={tp_size} does not split dim {dim} (size {size}"
+                             f"{', two packed halves' if packed == 2 else ''}) of '{name}' ({style}) evenly; "
+                             f"use tp_size in {ok}")
+    for owner, style in modules.items():
+        if style == "mla_kv_a_proj":
+            _rope_dim(hf.text_config(model))
+        if style != "moe_tp_experts":
+            continue
+        owned = list(model.get_submodule(owner).named_parameters(recurse=False))
+        if not owned:
+            raise NotImplementedError(
+                f"tp_plan entry '{_key_of(plan, owner)}': 'moe_tp_experts' is for a module holding stacked expert weights "
+                f"[num_experts, ...]; {type(model.get_submodule(owner)).__name__} owns none (its submodules' own "
+                f"styles split them, and summing its output again would count it tp_size times); keep it whole with "
+                f"tp_plan={{'{_key_of(plan, owner)}': None}}")
+        for own, _ in owned:
+            full = f"{owner}.{own}"
+            if full not in params or moe.shard_dim_size(params[full], own, model.get_parameter(full).shape) is None:
+                raise NotImplementedError(
+                    f"'{owner}' is moe_tp_experts but its parameter '{full}' is whole on every rank: the experts' "
+                    f"summed output would count it tp_size={tp_size} times; give it a splitting entry "
+                    f"(tp_plan={{'{_key_of(plan, full)}': 'colwise' or 'packed_colwise'}}), or keep the experts "
+                    f"whole with tp_plan={{'{_key_of(plan, owner)}': None}} and None for their weights' entries")
 
 
 def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
@@ -148,6 +236,7 @@ def check_model(model: nn.Module, config) -> None:
             f"{type(model).__name__} has no tp_plan, so tp_size={config.tp_size} cannot shard it; pass "
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
     check_module_types(model, config.tp_plan)
+    check_param_entries(model, resolve_plan(model, config.tp_plan), config.tp_size)
     check_adapters(model, config.tp_plan)
 
 
@@ -184,7 +273,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
             "cannot shard it; pass ParallelismConfig(tp_plan={...}) with entries such as "
             "{'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}, or use tp_size=1"
         )
+    check_param_entries(model, plan, tp_size)
     matched = match_plan(model, plan)
+    params = match_params(model, plan)
     if not matched:
         raise ValueError(
             f"no module of {type(model).__name__} matches its tp_plan {sorted(plan)}; check the override names"
@@ -194,11 +285,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
     matched = expand_plan(model, matched)
     emb, head = hf.embedding_and_head(model)
     tied = hf.shares_embedding(model)
+    cfg = hf.text_config(model)
     with KeepRequiresGrad(model):
-        parallelize_module(model, tp_mesh, {name: STYLES[style]() for name, style in matched.items()})
+        for name, style in params.items():  # stacked expert weights, sinks: placed here, used by their module's style
+            owner, _, own = name.rpartition(".")
+            moe.shard_param(model.get_submodule(owner), own, style, tp_mesh)
+        parallelize_module(model, tp_mesh, {name: STYLES[style](cfg) for name, style in matched.items()})
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.
         head.weight = emb.weight
-    logger.info("applied TP over %d ranks to %d modules", tp_size, len(matched))
+    logger.info("applied TP over %d ranks to %d modules and %d parameters", tp_size, len(matched), len(params))
     return len(matched)

@@ -42,6 +42,9 @@ def to_json(result: PlanResult, top: int | None = None, lr: dict | None = None) 
             entry["learning_rate"] = lr["learning_rate"]
     return {
         "model": result.spec.name,
+        # a MoE model: every expert is held (memory), only the top-k run per token (time)
+        "params": {"total": result.spec.total_params, "active": result.spec.active_params,
+                   "experts": result.spec.num_experts, "experts_per_token": result.spec.experts_per_token},
         "world_size": result.cluster.world,
         "plans": plans,
         "rejected": [{"layout": sizes, "reason": reason} for sizes, reason in result.rejected],
@@ -59,7 +62,10 @@ def table(result: PlanResult, top: int = 10) -> str:
     head = (f"{'#':>2} {'rep':>3} {'shard':>5} {'tp':>2} {'cp':>2} {'pp':>2} {'mb':>3} {'acc':>3} {'schedule':<16} "
             f"{'ckpt':<9} {'peak':>6} {'param':>6} {'grad':>6} {'optim':>6} {'act':>6} {'logit':>6} {'pipe':>6} "
             f"{'comm':>6} {'step s':>8} {'tok/s':>9}  dominant")
-    lines = [f"nd-parallel plan: {result.spec.name}, {result.cluster.nodes} x {result.cluster.gpus_per_node} GPUs of "
+    spec = result.spec
+    moe = (f", {spec.total_params / 1e9:.1f}B parameters, {spec.active_params / 1e9:.1f}B active per token "
+           f"({spec.num_experts} experts, top {spec.experts_per_token})") if spec.num_experts else ""
+    lines = [f"nd-parallel plan: {result.spec.name}{moe}, {result.cluster.nodes} x {result.cluster.gpus_per_node} GPUs of "
              f"{format_bytes(result.cluster.gpu_memory)}, seq {result.train.seq_len}, global batch "
              f"{result.train.global_batch}, {result.train.dtype}"
              + (f", LoRA r={result.train.lora_rank}" if result.train.lora_rank else ""),

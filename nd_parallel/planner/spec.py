@@ -80,10 +80,31 @@ class ModelSpec:
     """Modules of one layer the TP plan shards rowwise: each all-reduces its output forward."""
     ops: OpCounts = field(default_factory=OpCounts.none)
     """Aten ops per layer and per step, counted on the model (see ops.py); all zero when not counted."""
+    layer_expert_params: int = 0
+    """Of `layer_params`, the stacked expert weights [num_experts, ...] of a mixture-of-experts layer (0: dense)."""
+    num_experts: int = 0
+    """Experts per MoE layer (the stacked weights' leading dim); 0 for a dense model."""
+    experts_per_token: int = 0
+    """Experts each token runs through (top-k): only their weights count in the FLOPs."""
+    moe_layers: int = 0
+    """Decoder layers with stacked experts (the rest are dense, e.g. DeepSeek's first_k_dense_replace)."""
 
     @property
     def total_params(self) -> int:
         return self.pre_params + self.num_layers * self.layer_params + self.post_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: a MoE layer's experts count k / num_experts of theirs."""
+        if not self.num_experts:
+            return self.total_params
+        idle = self.layer_expert_params * (self.num_experts - self.experts_per_token) // self.num_experts
+        return self.total_params - self.moe_layers * idle
+
+    def expert_parallel_sizes(self) -> list[int]:
+        """The ep sizes a search may try: divisors of num_experts (1 for a dense model). Hook for the expert-parallel
+        search (issue 18 section 2): the search does not try ep > 1 yet, as ParallelismConfig has no ep_size here."""
+        return [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0] if self.num_experts else [1]
 
     @property
     def kv_dim(self) -> int:
@@ -121,6 +142,39 @@ def _lora_targets(layer: nn.Module, targets: tuple[str, ...] | None) -> tuple[tu
     return tuple(found)
 
 
+def _stacked_experts(layer: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """Modules of a layer holding stacked expert weights: 3-D parameters [num_experts, ...] with one leading dim.
+    Found from the module tree, not from names (a dense layer has none)."""
+    found = {}
+    for name, module in layer.named_modules():
+        stacked = [p for p in module.parameters(recurse=False) if p.ndim == 3]
+        if stacked and len({p.shape[0] for p in stacked}) == 1:
+            found[name] = stacked
+    return found
+
+
+def _moe(layer: nn.Module, layers, plan: dict, prefix: str, text) -> dict:
+    """ModelSpec's MoE fields of `layer` (the largest one), plus what TP splits and the active MLP width."""
+    experts = _stacked_experts(layer)
+    if not experts:
+        return {}
+    stacked = [p for ps in experts.values() for p in ps]
+    num = stacked[0].shape[0]
+    k = getattr(text, "num_experts_per_tok", None) or getattr(text, "moe_topk", None) or getattr(text, "top_k", None)
+    if not k:
+        import warnings
+
+        warnings.warn(f"planner: {type(text).__name__} has no num_experts_per_tok; counting all {num} experts as "
+                      "active per token", stacklevel=3)
+        k = num
+    inner = {d for p in stacked for d in p.shape[1:] if d != text.hidden_size}
+    tp_split = sum(p.numel() for name, ps in experts.items() if _matches(plan, f"{prefix}.{name}") == "moe_tp_experts"
+                   for p in ps)
+    return dict(layer_expert_params=sum(p.numel() for p in stacked), num_experts=num, experts_per_token=int(k),
+                moe_layers=sum(1 for lay in layers if _stacked_experts(lay)), expert_tp_params=tp_split,
+                gated=any(2 * d in inner for d in inner) or len(stacked) >= 3)
+
+
 def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] | None = None) -> ModelSpec:
     """Read a ModelSpec from a (meta-device) causal LM; PlannerError when its layer stack cannot be found."""
     try:
@@ -130,13 +184,22 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     text = hf.text_config(model)
     layers = model.get_submodule(parts.layers_fqn)
     plan = hf.tp_plan(model)
-    layer_prefix = f"{parts.layers_fqn}.0"
-    layer = layers[0]
+    index = max(range(len(layers)), key=lambda i: _numel(layers[i]))  # a MoE layer, where some are dense
+    layer_prefix = f"{parts.layers_fqn}.{index}"
+    layer = layers[index]
     styles = {n: _matches(plan, f"{layer_prefix}.{n}") for n, _ in layer.named_modules() if n}
     tp_modules = [m for n, m in layer.named_modules() if n and styles[n] in TP_STYLES]
-    tp_params = sum(_numel(m) for m in tp_modules)
+    moe = _moe(layer, layers, plan, layer_prefix, text)
+    tp_params = sum(_numel(m) for m in tp_modules) + moe.pop("expert_tp_params", 0)
     matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
     mlp_linears = [m for n, m in layer.named_modules() if "mlp" in n.split(".")[0] and isinstance(m, nn.Linear)]
+    gated = moe.pop("gated", len(mlp_linears) >= 3)
+    ffn = getattr(text, "intermediate_size", None) or max((m.out_features for m in mlp_linears), default=4 * text.hidden_size)
+    if moe:  # per token only its top-k experts run: their weights count in the FLOPs, their width in the activations
+        active = moe["layer_expert_params"] * moe["experts_per_token"] // moe["num_experts"]
+        ffn = (sum(m.weight.numel() for m in mlp_linears) + active) // (text.hidden_size * (3 if gated else 2))
+        matmul += active
+    moe_tp = sum(1 for v in styles.values() if v == "moe_tp_experts")  # sums its output, all-reduces its inputs' grad
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     qk_norm = any(n.split(".")[-1] in ("q_norm", "k_norm", "q_layernorm", "k_layernorm") for n, _ in layer.named_modules())
@@ -160,11 +223,10 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
         warnings.warn(f"planner: cannot count {type(model).__name__}'s ops on the meta device ({err}); the step "
                       "time leaves out per-op overhead", stacklevel=2)
         ops = OpCounts.none()
-    ffn = getattr(text, "intermediate_size", None) or max((m.out_features for m in mlp_linears), default=4 * text.hidden_size)
     return ModelSpec(
         name=name or type(model).__name__, num_layers=parts.num_layers, hidden=text.hidden_size, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, ffn=ffn,
-        gated_mlp=len(mlp_linears) >= 3, qk_norm=qk_norm, vocab=emb.weight.shape[0], tied=tied,
+        gated_mlp=gated, qk_norm=qk_norm, vocab=emb.weight.shape[0], tied=tied,
         max_positions=getattr(text, "max_position_embeddings", None),
         layer_params=max(_numel(l) for l in layers), layer_tp_params=tp_params, layer_matmul_params=matmul,
         pre_params=pre, post_params=post, head_params=head.weight.numel() if head is not None else 0,
@@ -175,8 +237,9 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
         layer_tensors=len(list(layer.parameters())),
         rest_tensors=sum(len(list(model.get_submodule(n).parameters())) for n in (*parts.pre, *parts.post))
         - (1 if tied and head_name in parts.post else 0),
-        layer_colwise=sum(1 for v in styles.values() if v and "colwise" in v),
-        layer_rowwise=sum(1 for v in styles.values() if v and "rowwise" in v), ops=ops)
+        layer_colwise=sum(1 for v in styles.values() if v and "colwise" in v and v != "packed_colwise") + moe_tp,
+        layer_rowwise=sum(1 for v in styles.values() if v and "rowwise" in v and v != "packed_rowwise") + moe_tp,
+        ops=ops, **moe)
 
 
 def spec_from_path(model: str, lora_targets: tuple[str, ...] | None = None) -> ModelSpec:

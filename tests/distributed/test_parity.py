@@ -127,23 +127,44 @@ EXCLUDE = {("gpt2", "tp2")}  # gpt2 has no tp_plan: refused, see tests/unit/test
 # (OPT's final norm before its layers, learned positions): their row is PP2. None has a tp_plan, and FSDP2 changes
 # nothing these families do differently from the others, so those rows would only cost time.
 EXCLUDE |= {(f, n) for f in ("falcon", "bloom", "opt") for n in ("fsdp2", "tp2")}
-# compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): one
-# family per composition, since compiling costs seconds per rank and the families add nothing compile-specific.
-EXCLUDE |= {(f, n) for f in ("qwen3", "mistral", "gemma") for n in ("fsdp2_compile", "pp2_compile", "cp2_compile")}
-EXCLUDE |= {(f, n) for f in ("deepseek_v3", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")}
-EXCLUDE |= {("qwen3_moe", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
-EXCLUDE |= {(f, n) for f in ("qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux")
+EXCLUDE |= {(f, n) for f in ("deepseek_v3_ep", "gpt_oss") for n in ("ep2_fsdp2", "ep2_hsdp2x2")}
+EXCLUDE |= {("qwen3_moe_ep", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
+EXCLUDE |= {(f, n) for f in ("qwen3_moe_ep", "olmoe_ep", "deepseek_v3_ep", "gpt_oss", "mixtral_aux")
             for n in ("ep2_fsdp2_ac", "pp2_ep2", "cp2_ep2")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
-FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma"], "4r": ["llama", "qwen3", "mistral", "gemma"],
+# Mixture-of-experts and MLA families under their own tp_plans, in the 2- and 4-rank launches (no launch of their
+# own: start-up is most of a launch's time): TP2 and FSDP2 x TP2 only, FSDP alone splits them as any model.
+MOE_TP = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"]
+EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2", "pp4_1f1b", "pp2_fsdp2")}
+FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama", "qwen3", "mistral", "gemma",
+                                                                         "deepseek_v2"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
-            "pp4r": ["llama", "qwen3", "mistral"],
+            "pp4r": ["llama", "qwen3", "mistral", "deepseek_v2"],  # deepseek_v2: PP2 x TP2 only
             "families": ["phi3", "gpt_neox", "phi", "starcoder2", "gemma2", "gemma3_text", "olmo2", "gpt2",
                          "falcon", "bloom", "opt"],
-            "ep4r": ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral_aux"],
+            "ep4r": ["mixtral_ep", "qwen3_moe_ep", "olmoe_ep", "deepseek_v3_ep", "gpt_oss", "mixtral_aux"],
             "cp2r": ["llama", "qwen3", "mistral"], "cp4r": ["llama", "qwen3", "mistral"],
             "cp_families": ["gemma2", "gemma3_sw8", "gpt2", "phi3", "llama_nocache", "gpt_oss"]}
+# compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): llama
+# only, since compiling costs seconds per rank and the other families add nothing compile-specific.
+EXCLUDE |= {(f, n) for fams in FAMILIES.values() for f in fams if f != "llama"
+            for n in ("fsdp2_compile", "pp2_compile", "cp2_compile")}
+# Tiny MoE configs: 4 experts, top 2, expert width 32 (tp=2 splits each packed half evenly). deepseek: MLA (q/kv LoRA
+# ranks, rope part 8), one shared expert, a dense first layer, one routing group; qwen3_moe: a dense first layer too.
+_DEEPSEEK = dict(n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                 topk_group=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                 num_key_value_heads=4, intermediate_size=64, tie_word_embeddings=False, num_experts_per_tok=2)
+MOE_VARIANTS = {
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=None)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    mlp_only_layers=[0], intermediate_size=64, tie_word_embeddings=False)),
+    "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, tie_word_embeddings=False)),
+    "deepseek_v3": ("deepseek_v3", dict(_DEEPSEEK, q_lora_rank=32)),  # its plan leaves MLA attention replicated
+    "deepseek_v2": ("deepseek_v2", dict(_DEEPSEEK, q_lora_rank=None)),  # its plan splits MLA heads: mla_kv_a_proj
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, tie_word_embeddings=False)),
+}
 # Family names that are a family with config overrides. use_cache=False: transformers then masks packed
 # documents apart (with the default use_cache=True it does not; both are reproduced, see
 # context_parallel/sharding.isolates_documents).
@@ -154,17 +175,18 @@ VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocach
             # MoE families with 4 experts (ep 4 holds one per rank), top 2; every layer sparse (deepseek_v3's default
             # first dense layers would leave nothing to split); deepseek_v3's group routing over one group, and its
             # MLA attention (every head its own kv head) at tiny sizes.
-            "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+            "mixtral_ep": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
             # The router's load-balancing loss, weighted enough that a per-rank value (about dp times one process's)
             # would fail the loss check by far.
             "mixtral_aux": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
                                             router_aux_loss_coef=0.05)),
-            "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
-            "olmoe": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
-            "deepseek_v3": ("deepseek_v3", dict(
+            "qwen3_moe_ep": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+            "olmoe_ep": ("olmoe", dict(num_experts=4, num_experts_per_tok=2)),
+            "deepseek_v3_ep": ("deepseek_v3", dict(
                 n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0,
                 moe_intermediate_size=32, num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, head_dim=8))}  # OPT's default dropout 0.1 would differ per process
+                v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, head_dim=8)),
+            **MOE_VARIANTS}  # OPT's default dropout 0.1 would differ per process
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 

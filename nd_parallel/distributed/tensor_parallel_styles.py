@@ -1,0 +1,200 @@
+"""The TP styles of transformers' plans that torch's ``ParallelStyle`` classes do not cover.
+
+Mixture-of-experts and MLA models (transformers 5.24: 63 of 195 causal-LM types) declare styles beyond
+colwise/rowwise: stacked expert weights ``[num_experts, out, in]`` split inside a ``moe_tp_experts`` module,
+packed (fused gate|up) weights split so each rank keeps its slice of *both* halves, MLA's ``kv_a_proj`` whose rope
+part skips the column-wise ``kv_b_proj``, bare parameters (attention sinks) used by a ``local_params`` forward, and
+a few output-only styles. Each keeps transformers' meaning (``transformers/distributed/tensor_parallel.py``).
+
+Why written here and not taken from there: transformers' style classes replace ``module.forward`` with a closure
+its loading path also detects and undoes (``transformers_tp.py``), their API moved between 5.16 and 5.24, and
+they shard parameters on the meta device during loading. torch has no style for a 3-D expert weight, a packed
+weight, or a module whose forward must see local shards. So these are small torch ``ParallelStyle`` subclasses
+(applied by ``parallelize_module`` with the rest of the plan) built from DTensor primitives only: parameters are
+``distribute_tensor``-ed with ``Shard`` / ``_StridedShard`` placements (so FSDP2, DCP, ``full_tensor`` and the
+global grad norm treat them like any TP parameter) and the collectives are DTensor redistributions.
+
+Parameter entries (a plan key naming a parameter, e.g. ``layers.*.mlp.experts.gate_up_proj``) only place the
+parameter; the module that owns it must run its forward on local shards (``moe_tp_experts`` or
+``local_params``), which ``check_param_entries`` verifies before any collective.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+# Modules whose forward runs on their parameters' local shards; a parameter entry must sit under one of them.
+LOCAL_FORWARD = ("moe_tp_experts", "local_params")
+# Styles a plan may give a parameter (transformers' ``shard_param`` of each style).
+PARAM_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise", "replicate")
+
+
+def all_reduce_backward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; the gradient is summed over ``mesh``. For a replicated input a rank uses with only its
+    shard of the weights: its gradient there is a partial sum. (torch's ColwiseParallel does the same with its
+    input; ``from_local(Replicate)`` redistributes a Partial gradient to Replicate.)"""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def all_reduce_forward(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum the ranks' partial outputs; the gradient passes through unchanged (Partial forward -> Replicate grad)."""
+    return DTensor.from_local(x, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+def param_placement(style: str, name: str, ndim: int):
+    """transformers' placement of one parameter under ``style``; None keeps it replicated (a plain tensor).
+    ``name``: the parameter's own name (``bias`` stays whole under rowwise: it is added after the reduction)."""
+    if style == "replicate":
+        return None
+    if style == "colwise":  # output features: dim 0 of a Linear weight, dim 1 of a stacked [E, out, in] expert weight
+        return Shard(max(ndim - 2, 0))
+    if style == "rowwise":
+        return None if name == "bias" or ndim == 1 else Shard(ndim - 1)
+    if style == "packed_colwise":  # [gate | up] along the output dim: each rank keeps its slice of both halves
+        return _StridedShard(max(ndim - 2, 0), split_factor=2)
+    if style == "packed_rowwise":  # packed along the last dim ([E, in, 2*out] experts, llama4)
+        return None if ndim == 1 else _StridedShard(ndim - 1, split_factor=2)
+    raise ValueError(f"style {style!r} cannot place a parameter; parameter styles: {PARAM_STYLES}")
+
+
+def shard_dim_size(style: str, name: str, shape: torch.Size) -> tuple[int, int] | None:
+    """(dim, divisor per rank) that ``style`` splits, for the divisibility check; None when nothing is split."""
+    placement = param_placement(style, name, len(shape))
+    if placement is None:
+        return None
+    return placement.dim, (2 if isinstance(placement, _StridedShard) else 1)
+
+
+def shard_param(module: nn.Module, name: str, style: str, mesh: DeviceMesh) -> None:
+    """Replace ``module.<name>`` by its DTensor under ``style`` (every rank holds the same full weight, so each
+    keeps its slice without a broadcast)."""
+    param = module._parameters[name]
+    placement = param_placement(style, name, param.ndim)
+    if placement is None or isinstance(param, DTensor):
+        return
+    dt = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
+    module._parameters[name] = nn.Parameter(dt, requires_grad=param.requires_grad)
+
+
+class _LocalParams:
+    """The module's own DTensor parameters swapped for their local shards while its forward runs. ``to_local`` is
+    differentiable, so the shard's gradient lands on the DTensor parameter (as transformers' local-tensor path)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __enter__(self):
+        self.saved = {n: p for n, p in self.module._parameters.items() if isinstance(p, DTensor)}
+        for n, p in self.saved.items():
+            self.module._parameters[n] = p.to_local()
+
+    def __exit__(self, *exc):
+        self.module._parameters.update(self.saved)
+
+
+def _wrap_forward(module: nn.Module, before=None, after=None, local: bool = False) -> nn.Module:
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if before is not None:
+            args, kwargs = before(args, kwargs)
+        if local:
+            with _LocalParams(module):
+                out = original(*args, **kwargs)
+        else:
+            out = original(*args, **kwargs)
+        return after(out) if after is not None and out is not None else out
+
+    module.forward = forward
+    return module
+
+
+def _float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+class MoeExperts(ParallelStyle):
+    """``moe_tp_experts``: every rank runs every expert on its shard of the expert weights (placed by the plan's
+    parameter entries: gate_up by output features, down by input features). The inputs are whole on every rank
+    (hidden states and routing weights, computed by the replicated router), so their gradients are partial sums
+    over TP and are all-reduced; that also gives the router its full gradient. The partial outputs are summed."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def before(args, kwargs):
+            args = tuple(all_reduce_backward(a, mesh) if _float(a) else a for a in args)
+            kwargs = {k: all_reduce_backward(v, mesh) if _float(v) else v for k, v in kwargs.items()}
+            return args, kwargs
+
+        return _wrap_forward(module, before, lambda out: all_reduce_forward(out, mesh), local=True)
+
+
+class LocalParams(ParallelStyle):
+    """``local_params``: the module's forward sees its own sharded parameters (e.g. attention sinks, split by
+    heads by their own parameter entry) as local shards; its submodules keep their own styles."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return _wrap_forward(module, local=True)
+
+
+class PackedColwiseModule(ParallelStyle):
+    """``packed_colwise`` on a module (a fused gate|up Linear): its weight and bias split as packed, the replicated
+    input's gradient all-reduced, the output this rank's slice of both halves (the model splits it in two)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name in list(module._parameters):
+            if module._parameters[name] is not None:
+                shard_param(module, name, "packed_colwise", mesh)
+
+        def before(args, kwargs):
+            return (all_reduce_backward(args[0], mesh), *args[1:]), kwargs
+
+        return _wrap_forward(module, before, local=True)
+
+
+class MlaKvAProj(ParallelStyle):
+    """``mla_kv_a_proj``: the output's last ``qk_rope_head_dim`` features (the shared rope key) go straight into
+    attention over this rank's heads, bypassing the column-wise ``kv_b_proj`` whose input gradient is already
+    all-reduced, so their gradient is partial and is all-reduced here."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def after(out):
+            kv, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            return torch.cat([kv, all_reduce_backward(rope, mesh)], dim=-1)
+
+        return _wrap_forward(module, after=after)
+
+
+class AllReduceOutput(ParallelStyle):
+    """``all_reduce``: the module's output is a partial sum over TP (e.g. shared experts whose own entries split
+    them); sum it."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return _wrap_forward(module, after=lambda out: all_reduce_forward(out, mesh))
+
+
+class IdentityExpert(ParallelStyle):
+    """``moe_identity_expert``: a parameter-free expert inside ``moe_tp_experts`` returns its input on every rank,
+    which the experts' output all-reduce would count tp times; its input is divided by tp first."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        size = mesh.size()
+        return _wrap_forward(module, lambda args, kwargs: ((args[0] / size, *args[1:]), kwargs))
+
+
+class Replicated(ParallelStyle):
+    """``replicate``: every rank keeps the whole module (a plain tensor, as without a plan entry)."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return module

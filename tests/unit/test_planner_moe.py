@@ -1,0 +1,60 @@
+"""The planner on mixture-of-experts models: active vs total parameters, experts in memory and time, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+from nd_parallel.planner import model_spec
+from nd_parallel.planner.meta import meta_model
+from nd_parallel.testing.models import tiny_config
+
+GiB = 2**30
+
+
+def spec_of(family="llama", **overrides):
+    return model_spec(meta_model(tiny_config(family, **overrides)))
+
+QWEN3_MOE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                 num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, intermediate_size=512,
+                 vocab_size=4096, tie_word_embeddings=False)
+
+
+def test_moe_spec_counts_experts_active_and_total(recwarn):
+    spec = spec_of("qwen3_moe", **QWEN3_MOE)
+    assert not [w for w in recwarn if "cannot count" in str(w.message)]  # ops counted on meta (batched experts)
+    assert spec.ops.layer_fwd > 0 and spec.ops.adam_foreach > 0
+    experts = 16 * 3 * 256 * 64  # gate_up [E, 2I, H] + down [E, H, I]
+    assert (spec.num_experts, spec.experts_per_token, spec.moe_layers) == (16, 4, 4)
+    assert spec.layer_expert_params == experts and spec.gated_mlp
+    assert spec.active_params == spec.total_params - 4 * experts * 12 // 16  # 12 of 16 experts idle per token
+    assert spec.ffn == 4 * 64  # the top-k experts' width, what the activations hold
+    attn = (256 * 256 + 2 * 256 * 128 + 256 * 256)
+    assert spec.layer_matmul_params == attn + experts * 4 // 16  # FLOPs of the active experts only
+    assert spec.layer_tp_params == attn + experts  # the plan's moe_tp_experts splits every expert
+    assert spec.layer_colwise == 3 + 1 and spec.layer_rowwise == 1 + 1  # q, k, v, o + the experts' two all-reduces
+    assert spec.expert_parallel_sizes() == [1, 2, 4, 8, 16] and spec_of().expert_parallel_sizes() == [1]
+    dense = spec_of()
+    assert dense.active_params == dense.total_params and dense.num_experts == 0
+
+
+def test_moe_dense_first_layers_and_shared_experts():
+    spec = spec_of("deepseek_v3", hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                   n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, intermediate_size=256,
+                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                   head_dim=8, vocab_size=1024)
+    assert (spec.num_experts, spec.experts_per_token, spec.moe_layers) == (8, 2, 2)  # layer 0 is dense
+    assert spec.ffn == 32 + 2 * 32  # shared expert + top-2 routed
+
+
+def test_moe_plan_never_ends_in_a_traceback(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from nd_parallel.cli.main import main
+
+    AutoConfig.for_model("qwen3_moe", **QWEN3_MOE).save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpus-per-node", "8", "--gpu-memory", "1GiB", "--seq-len", "512",
+                 "--global-batch", "8", "--json", "--top", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"]["experts"] == 16 and data["params"]["active"] < data["params"]["total"]
+    assert data["plans"] and all(p["peak_memory_bytes"] <= GiB for p in data["plans"])
