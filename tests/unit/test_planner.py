@@ -398,4 +398,3 @@ def test_train_yaml_layout_auto(tmp_path):
     (tmp_path / "b.yaml").write_text(base + "layout: auto\ntp_size: 2\n")
     with pytest.raises(ConfigError, match="layout: auto chooses the layout, but the file also sets tp_size"):
         load_train_config(tmp_path / "b.yaml")
-
