@@ -63,7 +63,8 @@ def test_unknown_key_suggests_the_closest(tmp_path):
 
 def test_missing_base_model(tmp_path):
     path = _yaml(tmp_path, "dataset_path: d.txt\nmax_steps: 3\n")
-    with pytest.raises(ConfigError, match=r"cfg.yaml: base_model is required"):
+    with pytest.raises(ConfigError, match=r"cfg.yaml: 1 setting\(s\) cannot be used by nd-parallel train:\n  - "
+                                          r"base_model is required"):
         load_train_config(path)
 
 

@@ -139,6 +139,16 @@ def measure_stage_seconds(pipe, batch: dict, group, repeats: int = 5, warmup: in
     stages' gradients at None.
     """
     runs = _stage_runners(pipe, batch)
+    # The last stage hands over logits, not the hidden states of a chunked loss (torch_backend.PipelineLoss): the
+    # runner calls HF's loss on them. The head's FLOPs are the same either way.
+    chunking, pipe.loss.training = pipe.loss.training, False
+    try:
+        return _take_turns(runs, group, pipe, repeats, warmup)
+    finally:
+        pipe.loss.training = chunking
+
+
+def _take_turns(runs: dict, group, pipe, repeats: int, warmup: int) -> list[float]:
     times: dict[int, list[float]] = {i: [] for i in runs}
     for k in range(warmup + repeats):
         for turn in range(dist.get_world_size(group)):
