@@ -4,7 +4,8 @@ Usage: sft_worker.py OUT_DIR SPEC_JSON   (under torchrun; or plain python for th
 SPEC_JSON: {"model": dir, "runs": [[name, {config kwargs} | null, {SFTConfig}, {extras}]]}
 A null config is the reference: SFTTrainer alone. extras: "data": "text" (plain language modelling),
 "completion" (a prompt-completion dataset: completion_only_loss) or "chat" (a conversational dataset, whose
-template marks the assistant turns with {% generation %}: assistant_only_loss); "lora": true passes peft_config.
+template marks the assistant turns with {% generation %}: assistant_only_loss); "lora": true passes peft_config;
+"resume": N trains, then trains again from a fresh model resumed from the first run's checkpoint-N.
 The tokenizer is a tiny BPE trained locally (nd_parallel.testing.tokenizer), its chat template written here.
 Writes, from the main process, every logged loss, grad norm, mean_token_accuracy, entropy and num_tokens, the
 eval losses and the final full state.
@@ -50,37 +51,47 @@ def dataset(kind: str, n: int, seed: int) -> Dataset:
     return Dataset.from_dict({"messages": chats})
 
 
+def _trainer(SFTConfig, SFTTrainer, spec, out_dir, name, config, sft_args, extras, tok):
+    """A new SFTTrainer (and callback: one callback adopts one trainer) on a freshly loaded model."""
+    callbacks = []
+    if config is not None:
+        from nd_parallel import ParallelismConfig
+        from nd_parallel.plugins.trainer import NDParallelCallback
+
+        callbacks = [NDParallelCallback(ParallelismConfig(**config))]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(extras.get("model", spec["model"]))
+    peft_config = None
+    if extras.get("lora"):
+        from peft_recipe import SEED, lora_config
+
+        torch.manual_seed(SEED)
+        peft_config = lora_config()
+    kind = extras["data"]
+    args = SFTConfig(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, dataset_num_proc=None,
+                     assistant_only_loss=kind == "chat", **sft_args)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset(kind, 48, seed=0),
+                      eval_dataset=dataset(kind, 8, seed=1) if args.eval_strategy != "no" else None,
+                      processing_class=tok, peft_config=peft_config, callbacks=callbacks)
+
+
 def main(out_dir: str, spec_path: str) -> None:
     from trl import SFTConfig, SFTTrainer
 
     spec = json.load(open(spec_path))
     tok = tokenizer()
     for name, config, sft_args, extras in spec["runs"]:
-        callbacks = []
-        if config is not None:
-            from nd_parallel import ParallelismConfig
-            from nd_parallel.plugins.trainer import NDParallelCallback
-
-            callbacks = [NDParallelCallback(ParallelismConfig(**config))]
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(extras.get("model", spec["model"]))
-        peft_config = None
-        if extras.get("lora"):
-            from peft_recipe import SEED, lora_config
-
-            torch.manual_seed(SEED)
-            peft_config = lora_config()
-        kind = extras["data"]
-        args = SFTConfig(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, dataset_num_proc=None,
-                         assistant_only_loss=kind == "chat", **sft_args)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset(kind, 48, seed=0),
-                             eval_dataset=dataset(kind, 8, seed=1) if args.eval_strategy != "no" else None,
-                             processing_class=tok, peft_config=peft_config, callbacks=callbacks)
+        trainer = _trainer(SFTConfig, SFTTrainer, spec, out_dir, name, config, sft_args, extras, tok)
         trainer.train()
+        uninterrupted = None
+        if extras.get("resume"):  # again from a fresh model, resumed from the first run's checkpoint
+            uninterrupted = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+            trainer = _trainer(SFTConfig, SFTTrainer, spec, out_dir, name, config, sft_args, extras, tok)
+            trainer.train(resume_from_checkpoint=f"{out_dir}/{name}/checkpoint-{extras['resume']}")
         logs = [h for h in trainer.state.log_history if "loss" in h]
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if trainer.accelerator.is_main_process:
-            torch.save({**{k: [h[k] for h in logs] for k in METRICS}, "state": state,
+            torch.save({**{k: [h[k] for h in logs] for k in METRICS}, "state": state, "uninterrupted": uninterrupted,
                         "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
                         "eval_accuracy": [h["eval_mean_token_accuracy"] for h in trainer.state.log_history
                                           if "eval_mean_token_accuracy" in h]}, f"{out_dir}/{name}.pt")
