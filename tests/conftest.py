@@ -16,6 +16,16 @@ def tiny_models(tmp_path_factory):
     return {family: str(save_tiny_model(family, root / family)) for family in FAMILIES}
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group for the test, destroyed after it (later tests check that none is left)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield None
+    dist.destroy_process_group()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Every skip and its reason, also under `pytest -q` (which lists none by itself): a skipped feature test must
     never pass unnoticed."""

@@ -47,10 +47,9 @@ def check_backend(backend: str, device_type: str) -> None:
 
 
 class CompiledForward:
-    """Stands in for a layer's ``forward``: the compiled original (``original`` keeps it for inspection)."""
+    """Stands in for a layer's ``forward``: the compiled original (``__wrapped__``, set by update_wrapper)."""
 
     def __init__(self, forward, backend: str):
-        self.original = forward
         self.compiled = torch.compile(forward, backend=backend)
         functools.update_wrapper(self, forward)
 

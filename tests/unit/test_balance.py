@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nd_parallel.distributed.pipeline.balance.collective import agree_costs, check_same_split, profile_plan
 from nd_parallel.distributed.pipeline.balance.measure import profile_layers, sample_batch
@@ -148,13 +147,6 @@ def test_sample_batch_is_deterministic_and_capped(qwen_untied):
     a, b = sample_batch(qwen_untied), sample_batch(qwen_untied)
     assert a["input_ids"].shape == (1, 256)  # max_position_embeddings=256 < 512
     assert torch.equal(a["input_ids"], b["input_ids"]) and a["input_ids"].min() >= 1
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield None
-    dist.destroy_process_group()
 
 
 def test_agree_and_profile_plan_on_one_rank(one_rank_group, qwen_untied):

@@ -49,21 +49,11 @@ def test_an_explicit_choice_and_fused_and_other_libraries_are_left_alone():
     assert prefer_foreach(Outside(ps, lr=0.1)) == 0
 
 
-def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop():
-    import torch.distributed as dist
+def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop(one_rank_group):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    from nd_parallel.distributed.mesh import single_process_group
-
-    single_process_group("cpu")
-    try:
-        _mixed_and_pure(DeviceMesh("cpu", [0]), distribute_tensor, Replicate)
-    finally:
-        dist.destroy_process_group()  # later tests expect no process group
-
-
-def _mixed_and_pure(mesh, distribute_tensor, Replicate):
+    mesh = DeviceMesh("cpu", [0])
     shared = torch.nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Replicate()]))
     plain = torch.nn.Parameter(torch.randn(4))
     mixed = torch.optim.AdamW([shared, plain])

@@ -55,13 +55,12 @@ def test_an_8bit_base_is_refused_with_the_4bit_alternative(tiny_models):
         check_quantized(_load(tiny_models["llama"], 8), ParallelismConfig(), has_adapter=True)
 
 
-def test_8bit_optimizer_trains_plain_parameters_and_is_refused_on_shards():
+def test_8bit_optimizer_trains_plain_parameters_and_is_refused_on_shards(one_rank_group):
     import bitsandbytes as bnb
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from nd_parallel.accelerate.checks import check_optimizer_on_shards
-    from nd_parallel.distributed.mesh import single_process_group
 
     plain = torch.nn.Parameter(torch.randn(8192))
     opt = bnb.optim.AdamW8bit([plain], lr=1e-3)
@@ -70,12 +69,8 @@ def test_8bit_optimizer_trains_plain_parameters_and_is_refused_on_shards():
     plain.grad = torch.randn_like(plain)
     opt.step()
     assert opt.state[plain]["state1"].dtype == torch.uint8 and not torch.equal(before, plain)  # 8-bit state, stepped
-    single_process_group("cpu")
-    try:
-        shard = torch.nn.Parameter(distribute_tensor(torch.randn(8192), init_device_mesh("cpu", (1,)), [Shard(0)]))
-        for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
-            with pytest.raises(ValueError, match=r"cannot step sharded \(DTensor\) parameters.*adamw_torch"):
-                check_optimizer_on_shards(cls([shard], lr=1e-3))
-        check_optimizer_on_shards(torch.optim.AdamW([shard]))  # torch's own steps DTensors
-    finally:
-        torch.distributed.destroy_process_group()  # later tests check that nothing left a process group
+    shard = torch.nn.Parameter(distribute_tensor(torch.randn(8192), init_device_mesh("cpu", (1,)), [Shard(0)]))
+    for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
+        with pytest.raises(ValueError, match=r"cannot step sharded \(DTensor\) parameters.*adamw_torch"):
+            check_optimizer_on_shards(cls([shard], lr=1e-3))
+    check_optimizer_on_shards(torch.optim.AdamW([shard]))  # torch's own steps DTensors

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.distributed as dist
 
 from nd_parallel.distributed.pipeline.timeline.analysis import (
     analytical_bubble,
@@ -172,13 +171,6 @@ class Clock:
     def __call__(self):
         self.t += 1.0
         return self.t
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield None
-    dist.destroy_process_group()
 
 
 def test_recorder_wraps_stage_methods_and_folds_the_loss_into_f(one_rank_group):
