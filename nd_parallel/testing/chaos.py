@@ -22,7 +22,8 @@ end        a rank dies after the last step's checkpoint (last       every other 
 
 For each fault the harness records ``detected_s`` (fault to detection), ``restart_to_first_step_s`` (fault to the
 first step the next attempt logs) and ``steps_lost`` (the restarted run's own account, fault/resume.py). The node
-serving the rendezvous (node 0) is never the one killed: torch's c10d rendezvous cannot outlive it.
+serving the rendezvous (node 0, told so with ``is_host``) is never the one killed: torch's c10d rendezvous cannot
+outlive it.
 """
 
 from __future__ import annotations
@@ -171,12 +172,14 @@ class ChaosRun:
         path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
         return path, out
 
-    def _command(self, cfg: Path, max_restarts: int, nnodes: int) -> list[str]:
+    def _command(self, cfg: Path, max_restarts: int, nnodes: int, host: bool) -> list[str]:
         cmd = [sys.executable, "-m", "nd_parallel.cli", "train", str(cfg), "--nproc", str(self.nproc),
                "--max-restarts", str(max_restarts)]
         if nnodes > 1:  # a dead node is noticed by the rendezvous after 3 missed 1 s keep-alives
+            # is_host: every node here resolves the endpoint to itself, and without it whichever agent binds the port
+            # first serves the store; under load that can be node 1, the one the harness kills
             cmd += ["--nnodes", str(nnodes), "--rdzv-endpoint", self._endpoint, "--rdzv-id", "chaos",
-                    "--rdzv-conf", "keep_alive_interval=1,keep_alive_max_attempt=3"]
+                    "--rdzv-conf", f"keep_alive_interval=1,keep_alive_max_attempt=3,is_host={str(host).lower()}"]
         return cmd
 
     def _start(self, cfg: Path, max_restarts: int, nnodes: int) -> None:
@@ -186,8 +189,7 @@ class ChaosRun:
             self._endpoint = f"127.0.0.1:{free_port()}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for _ in range(nnodes - len([n for n in self.nodes if not n.killed and n.proc.poll() is None])):
-            self.nodes.append(_Node(self._command(cfg, max_restarts, nnodes), env, self.echo))
-            time.sleep(0.5 if nnodes > 1 else 0)  # node 0 binds the rendezvous port first
+            self.nodes.append(_Node(self._command(cfg, max_restarts, nnodes, host=not self.nodes), env, self.echo))
 
     def _wait_all(self, what: str) -> None:
         failed = [(i, n.finish(self.wait_s)) for i, n in enumerate(self.nodes) if not n.killed]
