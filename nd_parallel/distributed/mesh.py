@@ -9,6 +9,7 @@ whether TP is on; the flattened views below are what each parallelism communicat
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -113,6 +114,11 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
         # resolve() raises the detailed message; reaching here means the caller skipped it.
         config = config.resolve(world_size)
     shape = tuple(getattr(config, f"{n}_size") for n in DIM_NAMES)
+    key = (device_type, shape, config.ep_size)
+    default = dist.distributed_c10d._get_default_group()
+    cached = _BUILT.get(key)
+    if cached is not None and cached[0]() is default:
+        return ParallelMesh(config, *cached[1:])
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
     flat = {name: world[dims]._flatten(name) for name, dims in FLAT_VIEWS.items()}
     experts = None
@@ -123,7 +129,20 @@ def build_mesh(config: ParallelismConfig, device_type: str) -> ParallelMesh:
             flat["dp_shard_mod_ep_cp"] = experts[("dp_shard_mod_ep", "cp")]._flatten("dp_shard_mod_ep_cp")
     logger.info("built %s mesh %s over %d ranks%s", device_type, dict(zip(DIM_NAMES, shape)), world_size,
                 f", experts over ep={config.ep_size}" if experts is not None else "")
-    return ParallelMesh(config=config, world=world, flat=flat, experts=experts)
+    if any(entry[0]() is not default for entry in _BUILT.values()):  # the world was torn down and made again
+        _BUILT.clear()
+    _BUILT[key] = (weakref.ref(default), world, flat, experts)
+    return ParallelMesh(config, world, flat, experts)
+
+
+# Meshes already built in this process, by (device type, shape, ep): a second Accelerator (a notebook, a sweep, a
+# test worker that trains many layouts) gets the same process groups back instead of new ones. torch's
+# init_device_mesh creates fresh groups on every call and nothing frees them (each gloo group keeps its threads
+# and sockets: thousands of threads after a few hundred builds). Every rank builds the same sequence of meshes, so
+# every rank hits or misses the cache together. An entry knows the default group it was built under by a weak
+# reference (holding it would keep a destroyed world's groups alive until exit): after destroy_process_group and a
+# new init_process_group, nothing stale is returned.
+_BUILT: dict[tuple, tuple] = {}
 
 
 def single_process_group(device_type: str) -> None:
