@@ -20,6 +20,11 @@ wrong gradients (norms ~20% off one process, no error). ``CompiledForward`` ther
 the region (``_Waited``: the value, with the gradient passed through unchanged); the wait is one the first op
 would have done anyway, so nothing overlaps less than in eager.
 
+Known limit (torch 2.13, transformers 5.24): with ``config.use_cache=True`` (most checkpoints' default) a training
+forward hands every layer the KV cache, whose per-layer state is guarded, so dynamo recompiles the layer code once
+per layer and, past ``torch._dynamo.config.recompile_limit`` (8), runs the remaining layers eagerly, with a warning
+and the same numbers. Set ``model.config.use_cache = False`` for training with compile (benchmarks/gpu_one.py does).
+
 Context parallelism: our ring / Ulysses kernels exchange blocks with point-to-point sends, which dynamo does not
 trace; they are kept out of the region (``keep_out``), so a layer compiles into the parts before and after its
 attention.
