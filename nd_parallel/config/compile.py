@@ -34,14 +34,6 @@ class CompileOptions:
                 "compile=True with activation_checkpointing='selective': selective checkpointing decides per aten op "
                 "what to keep, and a compiled layer runs fused kernels it cannot see; use activation_checkpointing="
                 "'full' (the compiled layer is recomputed whole) or compile=False")
-        if getattr(self, "tp_size", 1) > 1:
-            # Seen with torch 2.13 on CPU (aot_eager): a TP2 run dies in backward inside DTensor's Redistribute
-            # ("'Tensor' object has no attribute '_local_tensor'": a gradient left the compiled layer as a plain
-            # tensor where a DTensor was expected), and FSDP2xTP2 trains with gradient norms 20% off one process.
-            raise ConfigError(
-                "compile=True with tp_size > 1 is not supported yet: gradients of the tensor-parallel layers "
-                "compiled by torch 2.13 do not match eager (a DTensor gradient comes back as a plain tensor); use "
-                "compile=False with TP, or compile with FSDP/HSDP, PP and CP, which match one process")
         offloads = [k for k in ("activation_offloading", "tiled_mlp") if getattr(self, k, False)]
         if offloads:
             raise ConfigError(

@@ -46,11 +46,14 @@ LAUNCHES = {
         "fsdp2": L(dp_shard_size=2, **C),
         "tp2": L(tp_size=2, **C),
         "fsdp2_compile": L(dp_shard_size=2, compile=True, compile_backend="aot_eager"),
+        # the embedding's all-reduce hands layer 0 an AsyncCollectiveTensor (distributed/compile.py: waited for)
+        "tp2_compile": L(tp_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "4r": (4, 2, {
         "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, **OFF),
         "fsdp2_tp2": L(dp_shard_size=-1, tp_size=2, **C),
         "ddp2_tp2": L(dp_replicate_size=2, tp_size=2, **OFF),
+        "fsdp2_tp2_compile": L(dp_shard_size=-1, tp_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "8r": (8, 4, {
         "hsdp2x2_tp2": L(dp_replicate_size=2, dp_shard_size=2, tp_size=2),
@@ -149,7 +152,7 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama
 # compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): llama
 # only, since compiling costs seconds per rank and the other families add nothing compile-specific.
 EXCLUDE |= {(f, n) for fams in FAMILIES.values() for f in fams if f != "llama"
-            for n in ("fsdp2_compile", "pp2_compile", "cp2_compile")}
+            for n in ("fsdp2_compile", "pp2_compile", "cp2_compile", "tp2_compile", "fsdp2_tp2_compile")}
 # Tiny MoE configs: 4 experts, top 2, expert width 32 (tp=2 splits each packed half evenly). deepseek: MLA (q/kv LoRA
 # ranks, rope part 8), one shared expert, a dense first layer, one routing group; qwen3_moe: a dense first layer too.
 _DEEPSEEK = dict(n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=1,

@@ -3,8 +3,7 @@
 Refusals come from the config and the checks before any collective. Parity in one process: the ``aot_eager``
 backend (dynamo + AOTAutograd, no code generation) is bit-equal to eager, with activation checkpointing too; the
 inductor backend fuses fp32 math into C++ kernels, which reorders sums, so it is held to a tolerance derived in
-``test_inductor_matches_eager_within_fusion_rounding``. Layouts (FSDP2, CP2, PP2) are rows of the parity matrix; TP is refused
-(config/compile.py says what was seen).
+``test_inductor_matches_eager_within_fusion_rounding``. Layouts (FSDP2, TP2, FSDP2 x TP2, CP2, PP2) are rows of the parity matrix.
 """
 
 import shutil
@@ -23,7 +22,6 @@ from nd_parallel.testing.models import save_tiny_model
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(compile=True, activation_checkpointing="selective"), "activation_checkpointing='full'"),
     (dict(compile=True, pp_size=2, pp_backend="deepspeed"), "pp_backend='torch'"),
-    (dict(compile=True, tp_size=2), "compile=False with TP"),
     (dict(compile="yes"), "is not a bool"),
     (dict(compile=True, compile_backend=""), "is not a backend name"),
 ])

@@ -136,17 +136,25 @@ def torch_cp_attention(runtime: CPRuntime, query, key, value, *, scale: float, c
     a mask only: right padding is fine (a padded key is only ever seen by later, padded queries), the rest is
     refused up front (check_model, check_torch_batch). Not exercised on this project's CPU CI.
     """
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import _cp_options
+    # torch's public ``context_parallel(mesh, buffers=[])`` reads ``buffers[0]`` in torch 2.13 (IndexError) and
+    # derives load balancing from the buffers; our batch is already sharded, so only its SDPA dispatcher is entered,
+    # in the monkey-patch mode ``context_parallel`` selects.
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
 
     if not causal:
         raise NotImplementedError("cp_backend='torch' supports causal attention only; use cp_backend='ring'")
-    _cp_options.enable_load_balance = runtime.load_balance
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # torch's CP SDPA takes equal head counts
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    with context_parallel(runtime.mesh, buffers=[], buffer_seq_dims=[]):
+    old = cp._cp_options.enable_load_balance
+    cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
+    cp._cp_options.enable_load_balance = runtime.load_balance
+    cp._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=runtime.mesh)
+    try:
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+    finally:
+        cp._disable_context_parallel_dispatcher_impl()
+        cp._cp_options.enable_load_balance = old
 
 
 def check_torch_batch(sharded: ShardedBatch) -> None:
