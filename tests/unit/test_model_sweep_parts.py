@@ -17,8 +17,8 @@ def test_tiny_config_shrinks_sizes_and_keeps_structure(model_type):
     kinds = getattr(full, "layer_types", None)
     if kinds:  # hybrids keep one layer of each kind (lfm2 gains the conv layers its default config lacks)
         assert set(kinds) <= set(tiny.layer_types) and len(tiny.layer_types) == tiny.num_hidden_layers
-    if getattr(full, "kv_lora_rank", None):  # MLA keeps its ranks, with the rotary part as head_dim
-        assert tiny.kv_lora_rank == 16 and tiny.head_dim == tiny.qk_rope_head_dim
+    if getattr(full, "kv_lora_rank", None):  # MLA keeps its ranks
+        assert tiny.kv_lora_rank == 16 and tiny.qk_rope_head_dim == 8
     for field in ("num_experts", "num_local_experts", "n_routed_experts"):
         if isinstance(getattr(full, field, None), int):
             assert getattr(tiny, field) == 4 and tiny.num_experts_per_tok == 2
