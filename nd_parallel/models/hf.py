@@ -116,12 +116,22 @@ def model_parts(model: nn.Module) -> ModelParts:
     children = [name for name, child in parent.named_children() if _has_params(child)]
     order = forward_order(parent, children) or {name: i for i, name in enumerate(children)}
     stack = order[layers_fqn.rpartition(".")[2]]
+    # A parameter-free module the forward runs after the stack (OLMo's final LayerNorm has no weights) belongs to
+    # the last stage like any final norm: run by every stage it would be applied to the activations stages pass on.
+    uses = _uses(parent, [name for name, _ in parent.named_children()])
+    at_stack = uses.get(layers_fqn.rpartition(".")[2], [(0, 0)])[0]
+    after_stack = {n for n, at in uses.items() if at[0] > at_stack}
+    both = [n for n, at in uses.items() if at[0] < at_stack < at[-1] and not _has_params(getattr(parent, n))]
+    if both:  # one module, two roles: no stage split can keep the first use and drop the second
+        raise UnsplittableModel(
+            f"{type(model).__name__}'s forward uses {prefix}{both[0]} both before and after {layers_fqn}, so it "
+            "cannot be given to one pipeline stage; use pp_size=1 for this model")
     for name, child in parent.named_children():
         fqn = prefix + name
         if fqn == layers_fqn:
             continue
         if not _has_params(child):
-            shared.append(fqn)
+            (post if name in after_stack else shared).append(fqn)
         else:
             (post if order[name] > stack else pre).append(fqn)
     # Modules of the outer model beside the base model (lm_head, or a score head) come last.
@@ -192,19 +202,27 @@ def _forward_tree(cls: type) -> ast.FunctionDef | None:
     return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
+def _uses(module: nn.Module, names: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """Every (line, column) where ``module.forward``'s source uses ``self.<name>``, sorted, for the names it uses."""
+    tree = _forward_tree(type(module))
+    found: dict[str, list[tuple[int, int]]] = {}
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr in names:
+                found.setdefault(node.attr, []).append((node.lineno, node.col_offset))
+    return {name: sorted(at) for name, at in found.items()}
+
+
+def _first_uses(module: nn.Module, names: list[str]) -> dict[str, tuple[int, int]]:
+    """(line, column) where ``module.forward``'s source first uses ``self.<name>``, for the names it uses."""
+    return {name: at[0] for name, at in _uses(module, names).items()}
+
+
 def forward_order(module: nn.Module, names: list[str]) -> dict[str, int] | None:
     """Where ``module.forward`` first uses ``self.<name>`` for each child name (source position), so the order
     in which the children run, not the order they were registered (OPT registers its final norm before its
     layers). None where the source cannot be read or does not name every child."""
-    tree = _forward_tree(type(module))
-    if tree is None:
-        return None
-    first: dict[str, int] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
-            key = (node.lineno, node.col_offset)
-            if node.attr in names and (node.attr not in first or key < first[node.attr]):
-                first[node.attr] = key
+    first = _first_uses(module, names)
     if set(first) != set(names):
         return None
     return {name: rank for rank, name in enumerate(sorted(first, key=first.get))}

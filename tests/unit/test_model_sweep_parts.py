@@ -1,0 +1,49 @@
+"""The model sweep's parts that need no ranks: the tiny-config builder and how a cell's outcome is decided."""
+
+import pytest
+
+from nd_parallel.testing.parity import RunResult
+from nd_parallel.testing.sweep import _verdict
+from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "lfm2", "qwen3_next", "gpt_oss"])
+def test_tiny_config_shrinks_sizes_and_keeps_structure(model_type):
+    from transformers import AutoConfig
+
+    full, tiny = AutoConfig.for_model(model_type), tiny_sweep_config(model_type)
+    assert tiny.hidden_size == 64 and tiny.vocab_size == 256
+    assert tiny.num_attention_heads % tiny.num_key_value_heads == 0
+    kinds = getattr(full, "layer_types", None)
+    if kinds:  # hybrids keep one layer of each kind (lfm2 gains the conv layers its default config lacks)
+        assert set(kinds) <= set(tiny.layer_types) and len(tiny.layer_types) == tiny.num_hidden_layers
+    if getattr(full, "kv_lora_rank", None):  # MLA keeps its ranks
+        assert tiny.kv_lora_rank == 16 and tiny.qk_rope_head_dim == 8
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(getattr(full, field, None), int):
+            assert getattr(tiny, field) == 4 and tiny.num_experts_per_tok == 2
+
+
+def _error(message, ours=True, issued=0):
+    return {"error": message, "ours": ours, "issued": issued, "where": "..."}
+
+
+def test_a_refusal_needs_the_same_own_error_on_every_rank_before_any_collective():
+    assert _verdict([_error("ValueError: no"), _error("ValueError: no")], None, None)["outcome"] == "refused"
+    for views in ([_error("ValueError: no"), _error("ValueError: other")],  # ranks disagree
+                  [_error("ValueError: no", issued=3), _error("ValueError: no", issued=3)],  # after collectives
+                  [_error("KeyError: x", ours=False), _error("KeyError: x", ours=False)],  # not ours
+                  [_error("ValueError: no"), {"losses": [1.0], "norms": [1.0]}]):  # one rank trained
+        assert _verdict(views, None, None)["outcome"] == "crash", views
+
+
+def test_a_cell_matches_only_within_every_tolerance():
+    import torch
+
+    ref = RunResult([2.0, 1.5], [1.0, 0.9], {"w": torch.zeros(3)})
+    same = {"losses": [2.0, 1.5], "norms": [1.0, 0.9]}
+    assert _verdict([same, same], ref, {"w": torch.zeros(3)})["outcome"] == "match"
+    assert _verdict([same, same], ref, {"w": torch.full((3,), 2e-5)})["outcome"] == "differs"
+    off = {"losses": [2.0, 1.5 * (1 + 3e-5)], "norms": [1.0, 0.9]}
+    assert _verdict([off, off], ref, {"w": torch.zeros(3)})["outcome"] == "differs"
+    assert _verdict([same, off], ref, {"w": torch.zeros(3)})["outcome"] == "differs"  # ranks report different losses
