@@ -196,8 +196,11 @@ class ChunkedHead:
 
     def run(self, **kwargs):
         self._capture = True
+        if self.probe.heads is None:
+            self.probe.heads = vocab_parallel_heads(self.model)
         try:
-            out = self.forward(**kwargs, logits_to_keep=1)
+            with sharded_logits(self.probe.heads):  # the last position's logits, not gathered either
+                out = self.forward(**kwargs, logits_to_keep=1)
         finally:
             self._capture = False
         hidden, self._hidden = self._hidden, None

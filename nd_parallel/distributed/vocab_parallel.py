@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel
 
 # The plan styles that gather a vocabulary-split head's output: the head entries VocabParallelHead replaces.
@@ -63,7 +63,13 @@ class VocabParallelHead(ColwiseParallel):
 
 def head_style(input_layout: Placement | None = None) -> VocabParallelHead:
     """The TP style of a vocabulary-split head; ``input_layout`` is the layout of the hidden states that reach it
-    (``Replicate()`` by default; ``Shard(1)`` when sequence parallelism leaves the final norm's output sharded)."""
+    (``Replicate()`` by default; ``Shard(1)`` when sequence parallelism leaves the final norm's output sharded).
+    A layout the head cannot take (a partial sum, the hidden dim) is refused before any collective."""
+    if input_layout is not None and not (input_layout.is_replicate() or
+                                         (isinstance(input_layout, Shard) and input_layout.dim in (0, 1))):
+        raise ValueError(f"the vocabulary-parallel head's input layout {input_layout} is not one it can take; pass "
+                         "Replicate() (whole hidden states on every tp rank) or Shard(1) (sequence-sharded, as "
+                         "sequence parallelism leaves them)")
     return VocabParallelHead(input_layout=input_layout)
 
 
