@@ -10,8 +10,10 @@ The two alternate step by step inside the launch, so machine noise hits them ali
   (nd_parallel/planner/measure.py); max over ranks.
 - **saved**: HF's peak minus the chunked peak, next to the formula: HF's fp32 logits are 4·s·b·V bytes (b·s the
   tokens one rank's loss sees at once: s/cp under CP, one micro-batch under PP), the chunked loss holds one
-  chunk's, 4·c·V. The loss keeps a few buffers of that size alive at once (logits, log-softmax, their gradient),
-  so the saving is a multiple of the logits buffer.
+  chunk's, 4·c·V, and under TP2 (vocabulary-parallel) 4·c·V/2 per rank. The loss keeps a few buffers of that size
+  alive at once (logits, log-softmax, their gradient), so the saving is a multiple of the logits buffer.
+- **loss term chunked / HF**: the loss's bytes at the start of backward, chunked over HF's: measured as HF's term
+  (the planner's 16·t·V) less the saving, next to the planner's own ratio. The goal is <= 1/8.
 - **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank.
 
     python benchmarks/bench_logits_memory.py                       # seq 2048 and 4096, vocab 128k
@@ -39,6 +41,20 @@ VARIANTS = ("chunked", "hf")
 def _tokens_per_loss(name: str, seq: int) -> int:
     """Tokens whose logits one rank's loss holds at once under HF's loss (batch 1 per dp rank / micro-batch)."""
     return seq // 2 if name == "cp2" else seq
+
+
+def _vocab_split(name: str) -> int:
+    """Under TP2 the chunked loss is vocabulary-parallel: each rank holds V/2 of a chunk's logits (HF's gathers)."""
+    return LAYOUTS[name][1].get("tp_size", 1)
+
+
+def loss_terms(name: str, seq: int, args) -> tuple[float, float]:
+    """(HF's loss bytes at the start of backward, the chunked loss's), the planner's formulas (planner/memory.py,
+    validated against a measured step in tests/unit/test_planner.py): HF's logits, log-softmax and both gradients
+    in fp32, 16·t·V; the chunked loss's one chunk of those over V/tp, the hidden states' gradient 4·t·h and two fp32
+    copies of the head's gradient 2·4·V·h/tp."""
+    t, v, tp = _tokens_per_loss(name, seq), args.vocab, _vocab_split(name)
+    return 16 * t * v, 16 * min(args.chunk, t) * v / tp + 4 * t * args.hidden + 8 * v * args.hidden / tp
 
 
 def worker(args) -> None:
@@ -103,15 +119,20 @@ def parse_args(argv):
 
 
 HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "chunked / HF", "saved (MiB)",
-        "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V (MiB)", "saved / HF logits", "time chunked / HF"]
+        "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V/tp (MiB)", "saved / HF logits", "loss term chunked / HF",
+        "planner's", "time chunked / HF"]
 
 
 def table_row(seq: int, name: str, res: dict, args) -> list[str]:
     hf, ours = res["peak"]["hf"] / _common.MB, res["peak"]["chunked"] / _common.MB
     logits = 4 * _tokens_per_loss(name, seq) * args.vocab / _common.MB
-    chunk = 4 * min(args.chunk, _tokens_per_loss(name, seq)) * args.vocab / _common.MB
+    chunk = 4 * min(args.chunk, _tokens_per_loss(name, seq)) * args.vocab / _vocab_split(name) / _common.MB
+    hf_term, chunked_term = (b / _common.MB for b in loss_terms(name, seq, args))
+    # measured: HF's loss term (its formula) less what the chunked run saved on the same step
+    measured = (hf_term - (hf - ours)) / hf_term
     return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}", f"{logits:.0f}",
-            f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{res['time']['chunked'] / res['time']['hf']:.2f}x"]
+            f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}", f"{chunked_term / hf_term:.3f}",
+            f"{res['time']['chunked'] / res['time']['hf']:.2f}x"]
 
 
 def parent(args, argv) -> None:

@@ -38,6 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from nd_parallel.models.hf import decoder_slot, head_parameters
 
 from .loss import IGNORE_INDEX
+from .vocab_parallel import local_value, loss_context, sharded_logits, vocab_parallel_heads
 
 logger = logging.getLogger(__name__)
 _LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels", "ignore_index")
@@ -62,13 +63,19 @@ class _HeadProbe:
         params = inspect.signature(forward).parameters
         # MoE forwards compute a router loss from the decoder's router logits, which the stub does not have.
         self.extra = {"output_router_logits": False} if "output_router_logits" in params else {}
+        self.heads: list[nn.Module] | None = None  # vocabulary-parallel heads, found at the first call (after TP)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Under TP with a vocabulary-split head (vocab_parallel.py) the logits are a DTensor sharded on the
+        vocabulary: this rank's [b, c, V/tp], never gathered."""
+        if self.heads is None:
+            self.heads = vocab_parallel_heads(self.model)
         modules = self.model._modules
         decoder = modules[self.slot]
         modules[self.slot] = _Stub(hidden)  # not setattr: no hook, no FSDP state sees the swap
         try:
-            return self.forward(use_cache=False, **self.extra).logits
+            with sharded_logits(self.heads):
+                return self.forward(use_cache=False, **self.extra).logits
         finally:
             modules[self.slot] = decoder
 
@@ -92,19 +99,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 if not bool((target != IGNORE_INDEX).any()):
                     continue  # no label token: no loss, no gradient (same on every tp rank: they share tokens)
                 piece = flat[start:start + chunk].detach().requires_grad_(hidden.requires_grad)
-                logits = head(piece.unsqueeze(0))  # [1, c, V]
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-                wanted = [piece, *params] if hidden.requires_grad else list(params)
-                if wanted:
-                    grads = torch.autograd.grad(loss, wanted, allow_unused=True)
-                    if hidden.requires_grad:
-                        grad_hidden[start:start + chunk] = grads[0]
-                        grads = grads[1:]
-                    for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
-                        if g is not None:
-                            grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
-                total += loss.detach()
+                logits = head(piece.unsqueeze(0))  # [1, c, V], or this tp rank's [1, c, V/tp] (vocab_parallel.py)
+                with loss_context(logits):  # vocabulary-parallel: forward and backward under loss_parallel
+                    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                                           ignore_index=IGNORE_INDEX, reduction="sum")
+                    wanted = [piece, *params] if hidden.requires_grad else list(params)
+                    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ()
+                if hidden.requires_grad:
+                    grad_hidden[start:start + chunk] = grads[0]
+                    grads = grads[1:]
+                for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
+                    if g is not None:
+                        grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
+                total += local_value(loss.detach())
                 del logits, loss
         ctx.denom = denom
         ctx.param_dtypes = [p.dtype for p in params]
@@ -189,8 +196,11 @@ class ChunkedHead:
 
     def run(self, **kwargs):
         self._capture = True
+        if self.probe.heads is None:
+            self.probe.heads = vocab_parallel_heads(self.model)
         try:
-            out = self.forward(**kwargs, logits_to_keep=1)
+            with sharded_logits(self.probe.heads):  # the last position's logits, not gathered either
+                out = self.forward(**kwargs, logits_to_keep=1)
         finally:
             self._capture = False
         hidden, self._hidden = self._hidden, None

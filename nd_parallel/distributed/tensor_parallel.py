@@ -16,7 +16,7 @@ import re
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from nd_parallel.distributed import tensor_parallel_styles as moe
 from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
+from nd_parallel.distributed.vocab_parallel import GATHERING_HEAD_STYLES, head_style
 from nd_parallel.models import hf
 
 logger = logging.getLogger(__name__)
@@ -262,8 +263,21 @@ def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, st
     return matched
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None) -> int:
-    """Shard ``model`` in place over ``tp_mesh`` following its plan. Returns the number of modules sharded."""
+def _styles(model: nn.Module, matched: dict[str, str], head_input: Placement | None) -> dict[str, ParallelStyle]:
+    """The torch style of each matched module. This is the one place that decides the head's layouts: a plan entry
+    that gathers a vocabulary-split head becomes ``vocab_parallel.VocabParallelHead`` (gathered logits as before,
+    vocabulary-sharded ones inside the chunked loss), its input layout ``head_input`` (None = Replicate; sequence
+    parallelism passes Shard(1)). A PEFT-wrapped head (its base layer and adapter entries) keeps the plan's style."""
+    cfg = hf.text_config(model)
+    head = hf.slot_name(model, "get_output_embeddings")
+    return {name: head_style(head_input) if name == head and style in GATHERING_HEAD_STYLES else STYLES[style](cfg)
+            for name, style in matched.items()}
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None,
+             head_input: Placement | None = None) -> int:
+    """Shard ``model`` in place over ``tp_mesh`` following its plan. Returns the number of modules sharded.
+    ``head_input``: the layout of the hidden states reaching the head (``_styles``)."""
     tp_size = tp_mesh.size()
     check_divisibility(model, tp_size)
     plan = resolve_plan(model, plan_overrides)
@@ -285,12 +299,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
     matched = expand_plan(model, matched)
     emb, head = hf.embedding_and_head(model)
     tied = hf.shares_embedding(model)
-    cfg = hf.text_config(model)
+    styles = _styles(model, matched, head_input)
     with KeepRequiresGrad(model):
         for name, style in params.items():  # stacked expert weights, sinks: placed here, used by their module's style
             owner, _, own = name.rpartition(".")
             moe.shard_param(model.get_submodule(owner), own, style, tp_mesh)
-        parallelize_module(model, tp_mesh, {name: STYLES[style](cfg) for name, style in matched.items()})
+        parallelize_module(model, tp_mesh, styles)
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.

@@ -18,7 +18,9 @@ logits, that output, its gradient and the logits' gradient are alive together (1
 entry in fp32, 14 in bf16: the held logits are bf16). The chunked loss (distributed/chunked_loss.py, the default)
 holds those buffers for one chunk of tokens only, and keeps from its forward to its backward the gradient of the
 hidden states (compute dtype) and the fp32 gradient of the head's weight, while the next chunk's head gradient
-is added to it (two fp32 copies of this rank's head at that moment).
+is added to it (two fp32 copies of this rank's head at that moment). Under TP with a vocabulary-split head the
+chunked loss is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
+(``vocab_share``); HF's unchunked loss gathers the logits, so without chunking they stay whole.
 
 The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
 the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
@@ -85,16 +87,25 @@ def logits_bytes_per_token(spec: ModelSpec, train: Training) -> tuple[int, int]:
     return held + 3 * FP32 * spec.vocab, held
 
 
+def vocab_share(spec: ModelSpec, train: Training, layout: Layout) -> float:
+    """The share of the vocabulary whose logits one rank holds in the loss: 1/tp where the chunked loss is
+    vocabulary-parallel (a head the plan splits by vocabulary, tp dividing it, a tied embedding split alike, as
+    tensor_parallel._vocab_entries requires), else 1 (HF's loss gathers them)."""
+    split = (spec.head_tp_sharded and spec.vocab % layout.tp == 0 and (spec.embed_tp_sharded or not spec.tied))
+    return 1 / layout.tp if train.loss_chunk and split else 1.0
+
+
 def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, flight: float) -> tuple[float, float]:
     """(the loss's bytes at the start of backward, bytes held while the layers' backward runs) on the last stage."""
     at_loss, held = logits_bytes_per_token(spec, train)
-    if train.loss_chunk and train.loss_chunk < tokens:
+    share = vocab_share(spec, train, layout)
+    if train.loss_chunk and (train.loss_chunk < tokens or share < 1):
         grad_hidden = tokens * train.compute_bytes * spec.hidden
         grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
                                      spec.vocab)
         # one chunk's buffers, the hidden-state gradient, the running head gradient and the chunk's own; every other
         # in-flight micro-batch keeps its hidden-state and head gradients until its backward
-        return (train.loss_chunk * at_loss + grad_hidden + 2 * grad_head
+        return (min(train.loss_chunk, tokens) * at_loss * share + grad_hidden + 2 * grad_head
                 + (flight - 1) * (grad_hidden + grad_head)), 0.0
     # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
     # all of them); the one whose backward starts also has both gradients.

@@ -35,10 +35,12 @@ bound that ranks layouts the way they are measured on gloo.
 
 from __future__ import annotations
 
+import math
+
 from nd_parallel.distributed.pipeline.split import uniform_layers
 
 from .layout import Cluster, Layout, Training
-from .memory import FP32, layer_activation_bytes, logits_bytes_per_token, rank_params, stages_of_rank
+from .memory import FP32, layer_activation_bytes, logits_bytes_per_token, rank_params, stages_of_rank, vocab_share
 from .spec import ModelSpec
 
 BUBBLE_SLOTS = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0, "interleaved-zb": 1 / 3, "zbv": 1 / 6}
@@ -73,7 +75,7 @@ def _rank_mb_seconds(spec: ModelSpec, train: Training, layout: Layout, cluster: 
     if layout.pp * layout.virtual - 1 in stages:
         vocab = spec.vocab / tp if spec.head_tp_sharded and spec.vocab % tp == 0 else spec.vocab
         flops += tokens * 2 * spec.hidden * vocab * (1 + backward)
-        traffic += tokens * 2 * logits_bytes_per_token(spec, train)[0]
+        traffic += tokens * 2 * logits_bytes_per_token(spec, train)[0] * vocab_share(spec, train, layout)
     return flops / (cluster.flops * cluster.efficiency) + traffic / cluster.mem_bw
 
 
@@ -177,7 +179,13 @@ def _model_parallel(spec: ModelSpec, train: Training, layout: Layout, cluster: C
         # each their own); a plan without the counts (a hand-made spec) keeps the classic two + two per layer
         per_layer = (spec.layer_colwise + spec.layer_rowwise) or 4
         per_mb = (n_layers * per_layer + spec.embed_tp_sharded) * _allreduce(hidden, layout.tp, bw, lat)
-        if spec.head_tp_sharded:  # logits gathered forward, the head's input gradient all-reduced backward
+        if vocab_share(spec, train, layout) < 1:
+            # vocabulary-parallel chunked loss: per chunk, torch's loss_parallel all-reduces the tokens' max, sum-exp
+            # and target logits, and the chunk's hidden-state gradient is all-reduced
+            n = math.ceil(tokens / min(train.loss_chunk, tokens))
+            per_mb += n * (3 * _allreduce(FP32 * tokens / n, layout.tp, bw, lat) + _allreduce(hidden / n, layout.tp,
+                                                                                               bw, lat))
+        elif spec.head_tp_sharded:  # logits gathered forward, the head's input gradient all-reduced backward
             per_mb += _gather(b * tokens * spec.vocab, layout.tp, bw, lat) + _allreduce(hidden, layout.tp, bw, lat)
         out["tp"] = m * per_mb
     if layout.cp > 1:
