@@ -52,22 +52,3 @@ def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
             "the optimizer already has state (it has stepped); build it on the unsharded model and pass it to "
             "prepare() before the first step, so it can be re-pointed to the sharded parameters")
 
-
-def check_optimizer_on_shards(optimizer: torch.optim.Optimizer) -> None:
-    """bitsandbytes' 8-bit optimizers (AdamW8bit, PagedAdamW8bit) run their kernels on plain tensors only.
-
-    Their state is quantized per block of the flattened parameter, with the block statistics beside it, so it is
-    neither an elementwise function of a shard nor a tensor a DTensor can describe: under FSDP2 / HSDP / TP / CP (and
-    bf16, which shards over one rank) the parameters are DTensors and the step fails inside bitsandbytes. Refused here,
-    the same on every rank, with the alternatives. One process and PP-only fp32 layouts hold plain tensors and work.
-    """
-    if not type(optimizer).__module__.startswith("bitsandbytes"):
-        return
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError(
-            f"{type(optimizer).__name__} (bitsandbytes 8-bit optimizer) cannot step sharded (DTensor) parameters: its "
-            "per-block quantized state is not a function of a shard. Use torch.optim.AdamW (optimizer: adamw_torch), "
-            "whose state FSDP2 shards over dp_shard_size ranks (1/N of the fp32 state per rank), or train with "
-            "pp_size only (fp32) where parameters stay plain tensors")

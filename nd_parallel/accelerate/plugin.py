@@ -28,13 +28,14 @@ from nd_parallel.distributed.data import check_batch_size, shard_dataloader
 from nd_parallel.distributed.grad_norm import clip_grad_norm_
 from nd_parallel.distributed.mesh import ParallelMesh, build_mesh, single_process_group
 from nd_parallel.distributed.optimizer import prefer_foreach
+from nd_parallel.distributed.optimizer_8bit import step_local_shards
 from nd_parallel.distributed.parallelize import check_model, parallelize
 from nd_parallel.distributed.precision import policy_for
 from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
 from . import accelerate_config, evaluation
-from .checks import check_accelerator, check_fresh_optimizer, check_layout, check_optimizer_on_shards
+from .checks import check_accelerator, check_fresh_optimizer, check_layout
 from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
@@ -191,7 +192,7 @@ class NDParallelPlugin:
         check_fresh_optimizer(optimizer)
         for group in optimizer.param_groups:
             group["params"] = [q for p in group["params"] for q in self._param_map.get(id(p), [p])]
-        check_optimizer_on_shards(optimizer)
+        step_local_shards(optimizer)  # bitsandbytes' 8-bit optimizers step each rank's shards (optimizer_8bit.py)
         prefer_foreach(optimizer)  # one DTensor dispatch per op for all parameters, not one per parameter
         wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
         self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused

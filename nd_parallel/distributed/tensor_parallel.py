@@ -27,6 +27,11 @@ from torch.distributed.tensor.parallel import (
 
 from nd_parallel.distributed import tensor_parallel_styles as moe
 from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
+from nd_parallel.distributed.tensor_parallel_quantized import (
+    apply_quantized_tp,
+    check_quantized_tp,
+    is_quantized_linear,
+)
 from nd_parallel.distributed.vocab_parallel import GATHERING_HEAD_STYLES, head_style
 from nd_parallel.models import hf
 
@@ -210,9 +215,12 @@ def check_param_entries(model: nn.Module, plan: dict[str, str], tp_size: int) ->
                     f"whole with tp_plan={{'{_key_of(plan, owner)}': None}} and None for their weights' entries")
 
 
-def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None) -> None:
-    """PEFT adapters on modules the plan shards must be splittable (checked before any collective)."""
-    expand_plan(model, match_plan(model, resolve_plan(model, overrides)))
+def check_adapters(model: nn.Module, overrides: dict[str, str | None] | None, tp_size: int = 1) -> None:
+    """PEFT adapters on modules the plan shards must be splittable, and so must 4-bit base layers (checked before
+    any collective)."""
+    for name, style in expand_plan(model, match_plan(model, resolve_plan(model, overrides))).items():
+        if is_quantized_linear(model.get_submodule(name)):
+            check_quantized_tp(name, model.get_submodule(name), style, tp_size)
 
 
 def check_divisibility(model: nn.Module, tp_size: int) -> None:
@@ -238,7 +246,7 @@ def check_model(model: nn.Module, config) -> None:
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
     check_module_types(model, config.tp_plan)
     check_param_entries(model, resolve_plan(model, config.tp_plan), config.tp_size)
-    check_adapters(model, config.tp_plan)
+    check_adapters(model, config.tp_plan, config.tp_size)
 
 
 def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -304,7 +312,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
         for name, style in params.items():  # stacked expert weights, sinks: placed here, used by their module's style
             owner, _, own = name.rpartition(".")
             moe.shard_param(model.get_submodule(owner), own, style, tp_mesh)
-        parallelize_module(model, tp_mesh, styles)
+        # A 4-bit base cannot become a DTensor: its own style keeps packed bytes (tensor_parallel_quantized.py).
+        quantized = {n: s for n, s in matched.items() if is_quantized_linear(model.get_submodule(n))}
+        kept = {n: apply_quantized_tp(model.get_submodule(n), s, tp_mesh) for n, s in quantized.items()}
+        parallelize_module(model, tp_mesh, {n: style for n, style in styles.items() if n not in quantized})
+    if quantized:
+        logger.info("4-bit base layers under TP: %d sharded, %d replicated (blocks not aligned with the split)",
+                    sum(v == "sharded" for v in kept.values()), sum(v == "replicated" for v in kept.values()))
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.

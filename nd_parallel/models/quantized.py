@@ -11,8 +11,9 @@ only an adapter trains. What each layout does with them:
   norms and embeddings are sharded as usual. A packed weight's blocks and their statistics are not a tensor FSDP2
   can cut along dim 0 and all-gather back (its statistics live beside it, in ``quant_state``);
 - 8-bit bases: refused (their scales are extra state that torch's distributed state dict cannot address);
-- TP: refused. TP splits each Linear's weight into a DTensor, which a packed weight with out-of-tensor statistics
-  cannot be.
+- TP (4-bit): each quantized Linear the plan splits gets our own style (``distributed/tensor_parallel_quantized.py``):
+  sharded (this rank's packed bytes and block statistics) where the blocks line up with the split, replicated
+  otherwise; quantized layers the plan does not name stay whole and replicated.
 
 Identified from the parameters, not from class names: a frozen parameter that is not floating point is a
 quantized weight (nothing else can be: autograd only trains floating tensors).
@@ -50,11 +51,6 @@ def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:
                          "scales as extra state (SCB) that torch's distributed state dict cannot address, so the "
                          "model could train but not be saved; use a 4-bit base (QLoRA: load_in_4bit with "
                          "adapter: qlora) or LoRA on the unquantized model")
-    if config.tp_size > 1:
-        raise ValueError(f"tp_size={config.tp_size}: {what}; TP splits each Linear's weight into a DTensor, which a "
-                         "packed 4-bit/8-bit weight with its statistics outside the tensor cannot be. Use "
-                         "dp_shard_size (the quantized base is replicated, the adapter sharded), cp_size or pp_size, "
-                         "or tp_size with an unquantized base")
     if config.pp_size > 1 and config.pp_backend == "deepspeed":
         raise ValueError(f"pp_backend='deepspeed': {what}; DeepSpeed's pipeline engine casts and partitions the "
                          "weights itself; use pp_backend='torch'")

@@ -28,4 +28,7 @@ def qlora_model(model_dir, bits: int = 4):
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization(bits), device_map="cpu",
                                                  dtype=torch.float32)
     torch.manual_seed(SEED)
-    return get_peft_model(model, lora_config())
+    # Training mode, as the Trainer sets it: from_pretrained returns eval mode, in which bitsandbytes (0.50, CPUs with
+    # AVX512-BF16) repacks a 4-bit weight and multiplies in bf16 whenever the input needs no gradient (the first
+    # layer's projections under LoRA), a path the fp32 reference of a split layer cannot follow.
+    return get_peft_model(model, lora_config()).train()

@@ -41,11 +41,11 @@ def test_a_quantized_base_without_an_adapter_is_refused(nf4):
 
 
 @pytest.mark.parametrize("layout,match", [
-    (dict(tp_size=2), r"tp_size=2: .* packed 4-bit/8-bit weight .* Use dp_shard_size"),
     (dict(pp_size=2, pp_backend="deepspeed"), r"pp_backend='deepspeed': .* use pp_backend='torch'"),
 ])
 def test_layouts_a_quantized_base_does_not_compose_with_are_refused(nf4, layout, match):
     check_quantized(nf4, ParallelismConfig(dp_shard_size=2), has_adapter=True)  # FSDP2: fine
+    check_quantized(nf4, ParallelismConfig(tp_size=2), has_adapter=True)  # TP: tensor_parallel_quantized.py
     with pytest.raises(ValueError, match=match):
         check_quantized(nf4, ParallelismConfig(**layout), has_adapter=True)
 
@@ -55,22 +55,51 @@ def test_an_8bit_base_is_refused_with_the_4bit_alternative(tiny_models):
         check_quantized(_load(tiny_models["llama"], 8), ParallelismConfig(), has_adapter=True)
 
 
-def test_8bit_optimizer_trains_plain_parameters_and_is_refused_on_shards(one_rank_group):
+def _bnb_run(make_params, steps=3):
+    """AdamW8bit over the parameters ``make_params`` builds, fed the same gradients: (parameter, state) each step."""
     import bitsandbytes as bnb
+
+    from nd_parallel.distributed.optimizer_8bit import step_local_shards
+
+    torch.manual_seed(0)
+    full, grads = torch.randn(64, 128), [torch.randn(64, 128) for _ in range(steps)]
+    param, grad_of, value_of = make_params(full)
+    opt = bnb.optim.AdamW8bit([param], lr=1e-2)
+    step_local_shards(opt)
+    for g in grads:
+        param.grad = grad_of(g)
+        opt.step()
+        opt.zero_grad()
+    stepped = opt.param_groups[0]["params"][0]
+    return value_of(param).detach().clone(), opt.state[stepped]
+
+
+def test_8bit_optimizer_steps_a_local_shard_bit_equal_to_one_process(one_rank_group):
+    """A rank's dim-0 shard whose ends fall on bitsandbytes' 256-value blocks is stepped exactly as those rows are in
+    one process: same 8-bit codes, same block absmax, same parameters (optimizer_8bit.py derives why)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
-    from nd_parallel.accelerate.checks import check_optimizer_on_shards
+    from nd_parallel.distributed.optimizer_8bit import shard_alignment
 
-    plain = torch.nn.Parameter(torch.randn(8192))
-    opt = bnb.optim.AdamW8bit([plain], lr=1e-3)
-    check_optimizer_on_shards(opt)
-    before = plain.detach().clone()
-    plain.grad = torch.randn_like(plain)
-    opt.step()
-    assert opt.state[plain]["state1"].dtype == torch.uint8 and not torch.equal(before, plain)  # 8-bit state, stepped
-    shard = torch.nn.Parameter(distribute_tensor(torch.randn(8192), init_device_mesh("cpu", (1,)), [Shard(0)]))
-    for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
-        with pytest.raises(ValueError, match=r"cannot step sharded \(DTensor\) parameters.*adamw_torch"):
-            check_optimizer_on_shards(cls([shard], lr=1e-3))
-    check_optimizer_on_shards(torch.optim.AdamW([shard]))  # torch's own steps DTensors
+    mesh = init_device_mesh("cpu", (1,))
+    plain_param, plain_state = _bnb_run(lambda full: (torch.nn.Parameter(full.clone()), lambda t: t, lambda t: t))
+    assert plain_state["state1"].dtype == torch.uint8  # 8192 values >= min_8bit_size: 8-bit state
+
+    def rows(lo, hi):  # this "rank" holds rows [lo, hi) of a [64, 128] parameter, as FSDP2's Shard(0) does
+        def shard(t):
+            return DTensor.from_local(t[lo:hi].clone(), mesh, [Shard(0)], run_check=False, shape=t.shape,
+                                      stride=t.stride())
+
+        return lambda full: (torch.nn.Parameter(shard(full)), shard, lambda p: p.to_local())
+
+    for lo, hi in ((0, 32), (32, 64)):  # 32 rows x 128 = 4096 values: 16 whole blocks, under min_8bit_size alone
+        param, state = _bnb_run(rows(lo, hi))
+        assert state["state1"].dtype == torch.uint8  # 8-bit as for the whole tensor, though the shard is 4096 values
+        assert torch.equal(param, plain_param[lo:hi]), (lo, hi)
+        assert torch.equal(state["state1"], plain_state["state1"][lo:hi])
+        assert torch.equal(state["absmax1"], plain_state["absmax1"][lo * 128 // 256:hi * 128 // 256])
+    d = DTensor.from_local(torch.zeros(3, 128), mesh, [Shard(0)], run_check=False, shape=(64, 128), stride=(128, 1))
+    assert shard_alignment(DTensor.from_local(torch.zeros(32, 128), mesh, [Shard(0)], run_check=False,
+                                              shape=(64, 128), stride=(128, 1)))
+    assert not shard_alignment(d)  # 384 values: its blocks are not one process's blocks

@@ -16,8 +16,8 @@ from typing import Any
 from .equivalents import offload_setting
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit")
-# bitsandbytes' (built by the Trainer): plain-tensor layouts only, refused on DTensor parameters at prepare
-# (nd_parallel/accelerate/checks.py check_optimizer_on_shards); "paged" falls back to unpaged on CPU.
+# bitsandbytes' (built by the Trainer): on DTensor parameters each rank steps its local shards
+# (nd_parallel/distributed/optimizer_8bit.py); "paged" falls back to unpaged on CPU.
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 
