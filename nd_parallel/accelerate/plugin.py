@@ -28,7 +28,7 @@ from nd_parallel.distributed.data import check_batch_size, shard_dataloader
 from nd_parallel.distributed.grad_norm import clip_grad_norm_
 from nd_parallel.distributed.mesh import ParallelMesh, build_mesh, single_process_group
 from nd_parallel.distributed.optimizer import prefer_foreach
-from nd_parallel.distributed.optimizer_8bit import step_local_shards
+from nd_parallel.distributed.optimizer_8bit import refuse_checkpoint, step_local_shards
 from nd_parallel.distributed.parallelize import check_model, parallelize
 from nd_parallel.distributed.precision import policy_for
 from nd_parallel.fault.runtime import FaultTolerance
@@ -262,11 +262,13 @@ class NDParallelPlugin:
     # ------------------------------------------------------------- checkpoints
     def save_state(self, output_dir=None, **kwargs):
         """accelerator.save_state: an atomic, sharded DCP checkpoint under HF names (checkpoint/state.py)."""
+        refuse_checkpoint(self.train_state().torch_optimizers(), "save_state")
         self.fault.before_save()  # never a checkpoint holding NaN/Inf
         return checkpoint.save_state(self.train_state(), output_dir, **kwargs)
 
     def load_state(self, input_dir=None, **kwargs):
         """accelerator.load_state: checked first, then loaded under this layout, whatever layout saved it."""
+        refuse_checkpoint(self.train_state().torch_optimizers(), "load_state")
         marker = checkpoint.load_state(self.train_state(), input_dir, **kwargs)
         self.accelerator.step = int(marker.get("step", 0))
         self.fault.resumed_at(int(marker.get("steps_taken") or marker.get("optimizer_step") or 0))

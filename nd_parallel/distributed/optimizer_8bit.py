@@ -79,3 +79,16 @@ def step_local_shards(optimizer: torch.optim.Optimizer) -> int:
     optimizer.step, optimizer.zero_grad = local_step, local_zero_grad
     optimizer.nd_parallel_local_shards = pairs  # the DTensor -> stepped local parameter map, for state access
     return len(pairs)
+
+
+def refuse_checkpoint(optimizers, what: str) -> None:
+    """``save_state`` / ``load_state`` with an optimizer stepping local shards: refused, on every rank alike and
+    before any collective. Its state is keyed to the per-rank plain parameters, which torch's distributed state dict
+    cannot map back to the model's DTensor parameters (nor reshard to another layout)."""
+    stepped = [type(o).__name__ for o in optimizers if getattr(o, "nd_parallel_local_shards", None)]
+    if stepped:
+        raise NotImplementedError(
+            f"accelerator.{what}: {stepped[0]} steps each rank's parameter shards (bitsandbytes' 8-bit optimizers "
+            "on a sharded layout), and its state cannot be written to or read from a sharded checkpoint yet; use "
+            "torch.optim.AdamW (optim: adamw_torch) to checkpoint the optimizer, or save the model only "
+            "(accelerator.save_model)")

@@ -103,3 +103,22 @@ def test_8bit_optimizer_steps_a_local_shard_bit_equal_to_one_process(one_rank_gr
     assert shard_alignment(DTensor.from_local(torch.zeros(32, 128), mesh, [Shard(0)], run_check=False,
                                               shape=(64, 128), stride=(128, 1)))
     assert not shard_alignment(d)  # 384 values: its blocks are not one process's blocks
+
+
+def test_checkpointing_an_8bit_optimizer_on_shards_is_refused_with_the_fix(one_rank_group):
+    """Its state is keyed to per-rank plain parameters that torch's distributed state dict cannot map back: refused
+    before any collective (the check reads only the optimizer), naming the optimizer and the fix."""
+    import bitsandbytes as bnb
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from nd_parallel.distributed.optimizer_8bit import refuse_checkpoint, step_local_shards
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(DTensor.from_local(torch.zeros(64, 128), mesh, [Shard(0)], run_check=False))
+    opt = bnb.optim.AdamW8bit([param], lr=1e-2)
+    refuse_checkpoint([opt], "save_state")  # nothing stepped on shards yet: allowed
+    step_local_shards(opt)
+    with pytest.raises(NotImplementedError, match=r"save_state: AdamW8bit .*\(optim: adamw_torch\)"):
+        refuse_checkpoint([opt], "save_state")
+    refuse_checkpoint([torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])], "load_state")
