@@ -115,6 +115,8 @@ LAUNCHES = {
         "pp2_ep2": L(4, pp_size=2, dp_shard_size=2, ep_size=2),
         # sequence shards route like any tokens; the experts are FSDP-sharded over the cp ranks too
         "cp2_ep2": L(cp_size=2, dp_shard_size=2, ep_size=2),
+        # TP on attention, dense MLPs and shared experts, the experts split over ep and whole on each tp rank
+        "tp2_ep2": L(tp_size=2, dp_shard_size=2, ep_size=2),
     }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
@@ -131,6 +133,9 @@ EXCLUDE |= {(f, n) for f in ("deepseek_v3_ep", "gpt_oss") for n in ("ep2_fsdp2",
 EXCLUDE |= {("qwen3_moe_ep", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
 EXCLUDE |= {(f, n) for f in ("qwen3_moe_ep", "olmoe_ep", "deepseek_v3_ep", "gpt_oss", "mixtral_aux")
             for n in ("ep2_fsdp2_ac", "pp2_ep2", "cp2_ep2")}
+# TP2 x EP2 on three MoE families: plain (mixtral), per-head q/k norms under TP (qwen3_moe), shared
+# experts under TP next to the experts under EP (deepseek_v3).
+EXCLUDE |= {(f, "tp2_ep2") for f in ("olmoe_ep", "gpt_oss", "mixtral_aux")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 # Mixture-of-experts and MLA families under their own tp_plans, in the 2- and 4-rank launches (no launch of their
