@@ -332,6 +332,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
             owner, _, own = name.rpartition(".")
             moe.shard_param(model.get_submodule(owner), own, style, tp_mesh)
         parallelize_module(model, tp_mesh, {name: STYLES[style](cfg) for name, style in matched.items()})
+    moe.clone_outputs_modified_in_place(model, matched)
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.
