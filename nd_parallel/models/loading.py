@@ -82,17 +82,13 @@ def local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
-def one_dim_each(tensor) -> bool:
-    """A DTensor whose every tensor dim is cut by at most one mesh dim (e.g. a packed TP weight, each rank holding
-    its slice of both halves, with FSDP on another dim): its local piece, several boxes, is what ``distribute_tensor``
+def one_dim_each(placements) -> bool:
+    """Whether every tensor dim is cut by at most one mesh dim (e.g. a packed TP weight, each rank holding its slice
+    of both halves, with FSDP on another dim): the local piece, several boxes, is then what ``distribute_tensor``
     cuts from the full tensor without communicating, whatever the order of the placements."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor):
+    if any(p.is_partial() for p in placements):
         return False
-    dims = [p.dim for p in tensor.placements if not p.is_replicate()]
-    if any(p.is_partial() for p in tensor.placements):
-        return False
+    dims = [p.dim for p in placements if not p.is_replicate()]
     return len(dims) == len(set(dims))
 
 
@@ -180,7 +176,7 @@ def _boxed(tensor) -> bool:
 
     if not isinstance(tensor, DTensor) or is_one_box(tensor.placements, tensor.device_mesh.shape):
         return True
-    return not one_dim_each(tensor)
+    return not one_dim_each(tensor.placements)
 
 
 class _SwapOnConversion:

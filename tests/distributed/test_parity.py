@@ -142,7 +142,10 @@ EXCLUDE |= {(f, "tp2_ep2") for f in ("olmoe_ep", "gpt_oss", "mixtral_aux")}
 # own: start-up is most of a launch's time): TP2 and FSDP2 x TP2 only, FSDP alone splits them as any model.
 MOE_TP = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"]
 EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2", "pp4_1f1b", "pp2_fsdp2")}
-FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama", "qwen3", "mistral", "gemma",
+# llama4: packed_rowwise experts ([E, H, 2I]) read by the memory-efficient loader, and the shared expert's output that
+# its MoE block adds to in place (cloned under TP): TP2 only.
+EXCLUDE |= {("llama4_text", n) for n in ("ddp2", "fsdp2")}
+FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP, "llama4_text"], "4r": ["llama", "qwen3", "mistral", "gemma",
                                                                          "deepseek_v2"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
             "pp4r": ["llama", "qwen3", "mistral", "deepseek_v2"],  # deepseek_v2: PP2 x TP2 only
