@@ -1,4 +1,4 @@
-"""A MoE model (8 experts, top 2) on 4 ranks under FSDP4, EP2 x FSDP2 and EP4, in one launch, side by side.
+"""A MoE model (8 experts, top 2) on 4 ranks under FSDP4, EP2 x FSDP2, EP4 and TP2 x EP2, in one launch, side by side.
 
 For each layout:
     state     model-state bytes per rank (parameters + gradients + AdamW moments this rank holds, fp32), against
@@ -6,7 +6,8 @@ For each layout:
     a2a       bytes the expert all-to-alls move per step on this rank (counted in the dispatch), against the
               formula tokens x top-k x hidden x 4 bytes x 2 directions (forward; backward moves the same again)
     step      median step time, and its ratio to FSDP4's
-TP2 x EP2 is listed as refused (ep_size does not compose with tp_size yet). The layouts alternate in rounds so
+Under TP2 x EP2 the experts are split over ep only and whole on both tp ranks (torchtitan's etp=1), so its state is
+above the ideal by design: the experts' share is divided by 2 ranks, not 4. The layouts alternate in rounds so
 that load from other work hits them alike.
 
     python benchmarks/bench_moe.py            # hidden 256, 8 experts of intermediate 512, 2 layers, seq 128
@@ -25,8 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 LAYOUTS = {"fsdp4": dict(dp_shard_size=4), "ep2_fsdp2": dict(dp_shard_size=4, ep_size=2),
-           "ep4": dict(dp_shard_size=4, ep_size=4)}
-REFUSED = {"tp2_ep2": dict(dp_shard_size=2, tp_size=2, ep_size=2)}
+           "ep4": dict(dp_shard_size=4, ep_size=4), "tp2_ep2": dict(dp_shard_size=2, tp_size=2, ep_size=2)}
 WORLD = 4
 
 
@@ -110,14 +110,8 @@ def worker(args) -> None:
 
 
 def parent(args, argv) -> None:
-    from nd_parallel import ParallelismConfig
     from nd_parallel.testing.models import save_tiny_model
 
-    for name, sizes in REFUSED.items():
-        try:
-            ParallelismConfig(**sizes)
-        except ValueError as err:
-            print(f"{name}: refused: {err}")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny_model("mixtral", tmp, hidden_size=args.hidden, intermediate_size=args.intermediate,
                                     num_hidden_layers=args.layers, num_local_experts=args.experts,

@@ -29,7 +29,8 @@ from nd_parallel.planner import (
     yaml_blocks,
 )
 
-PINS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "cp": "--cp", "pp": "--pp"}
+PINS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "tp": "--tp", "cp": "--cp", "pp": "--pp",
+        "ep": "--ep"}
 
 
 def add_parser(sub) -> None:

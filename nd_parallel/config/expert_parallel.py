@@ -10,7 +10,8 @@ from .checks import ConfigError, _check_count
 @dataclass(kw_only=True)
 class ExpertParallelOptions:
     """Expert parallelism borrows its ranks from dp_shard (torchtitan borrows from dp_shard x cp; here the cp ranks
-    stay outside ep): it adds no rank to the world size."""
+    stay outside ep): it adds no rank to the world size. With tp_size > 1 the experts are split over ep only and are
+    whole on every tp rank (torchtitan's etp=1); attention and dense MLPs follow the tp_plan."""
 
     ep_size: int = 1
     """Ranks splitting each MoE layer's experts (each holds num_experts / ep_size). Default 1 = off; >= 1, a divisor
@@ -28,9 +29,3 @@ class ExpertParallelOptions:
                 f"ep_size={self.ep_size} does not fit dp_shard_size={shard}: expert parallelism borrows its ranks "
                 f"from the sharded data-parallel ranks, so ep_size must divide dp_shard_size; use ep_size in "
                 f"{divisors}, or a dp_shard_size that is a multiple of {self.ep_size}")
-        # Not composed yet: refused here, before any process group, rather than run with a wrong result.
-        if self.tp_size > 1:
-            raise ConfigError(
-                f"ep_size={self.ep_size} with tp_size={self.tp_size} is not supported yet: expert parallelism "
-                "composes with FSDP/HSDP, pipeline and context parallelism only; set tp_size=1, or ep_size=1 to use "
-                "tensor parallelism on the MoE model")

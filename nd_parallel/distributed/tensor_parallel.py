@@ -34,6 +34,7 @@ from nd_parallel.distributed.tensor_parallel_quantized import (
 )
 from nd_parallel.distributed.vocab_parallel import GATHERING_HEAD_STYLES, head_style
 from nd_parallel.models import hf
+from nd_parallel.models import moe as experts_of
 
 logger = logging.getLogger(__name__)
 
@@ -237,16 +238,56 @@ def check_divisibility(model: nn.Module, tp_size: int) -> None:
             )
 
 
+def plan_overrides(model: nn.Module, config) -> dict[str, str | None] | None:
+    """The user's ``tp_plan`` overrides, plus, under expert parallelism, ``None`` for every entry that names an
+    experts module or anything inside it.
+
+    EP x TP as torchtitan's ``etp=1``: the experts are split over ep (borrowed from dp_shard) and *not* over tp;
+    attention, dense MLPs and shared experts keep their TP entries, the router stays replicated. The experts'
+    input is then the whole hidden state on every tp rank (the attention's rowwise output is all-reduced), so the
+    tp ranks of one ep group compute the same experts on the same tokens: exact, at tp times the expert compute.
+    An entry on a module *around* the experts (summing or splitting their output over tp) would then count the
+    experts' output tp times or feed them a shard: refused here, before any collective.
+    """
+    overrides = config.tp_plan
+    if config.ep_size == 1:
+        return overrides
+    found = experts_of.expert_modules(model)
+    inside = [n for e in found for n in [e.name, *(f"{e.name}.{s}" for s, _ in e.module.named_modules() if s),
+                                        *(f"{e.name}.{p}" for p, _ in e.module.named_parameters())]]
+    roots = [e.name for e in found]
+    plan = resolve_plan(model, overrides)
+    merged = dict(overrides or {})
+    for key, style in plan.items():
+        regex = _pattern_to_regex(key)
+        if any(regex.match(n) for n in inside):
+            merged[key] = None
+        around = next((r for r in roots if any(regex.match(a) for a in _ancestors(r))), None)
+        if around is not None:
+            raise NotImplementedError(
+                f"tp_plan entry '{key}': {style!r} on a module around the experts '{around}' cannot be exact with "
+                f"ep_size={config.ep_size}: the experts are split over ep and whole on every tp rank, so their "
+                f"output would be split or summed over tp; drop it with tp_plan={{'{key}': None}}, or use ep_size=1 "
+                "to split the experts over tp")
+    return merged
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def check_model(model: nn.Module, config) -> None:
     """Everything TP needs from a model under ``config`` (tp_size > 1), checked before any collective."""
     check_divisibility(model, config.tp_size)
-    if not resolve_plan(model, config.tp_plan):
+    overrides = plan_overrides(model, config)
+    if not resolve_plan(model, overrides):
         raise ValueError(
             f"{type(model).__name__} has no tp_plan, so tp_size={config.tp_size} cannot shard it; pass "
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
-    check_module_types(model, config.tp_plan)
-    check_param_entries(model, resolve_plan(model, config.tp_plan), config.tp_size)
-    check_adapters(model, config.tp_plan, config.tp_size)
+    check_module_types(model, overrides)
+    check_param_entries(model, resolve_plan(model, overrides), config.tp_size)
+    check_adapters(model, overrides, config.tp_size)
 
 
 def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -319,6 +360,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
     if quantized:
         logger.info("4-bit base layers under TP: %d sharded, %d replicated (blocks not aligned with the split)",
                     sum(v == "sharded" for v in kept.values()), sum(v == "replicated" for v in kept.values()))
+    moe.clone_outputs_modified_in_place(model, matched)
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.

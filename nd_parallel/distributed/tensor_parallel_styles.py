@@ -198,3 +198,22 @@ class Replicated(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return module
+
+
+def clone_outputs_modified_in_place(model: nn.Module, names) -> int:
+    """Clone the output of each module whose parent's forward modifies it in place (llama4's
+    ``out = self.shared_expert(x); out.add_(...)``) where that module is, or holds, one TP styled (``names``): a
+    rowwise output is the view ``to_local`` returns, and autograd refuses an in-place change of a custom Function's
+    view output. One copy of that output, only where needed."""
+    from nd_parallel.models.hf import outputs_modified_in_place
+
+    styled = list(names)
+    cloned = 0
+    for parent_name, parent in model.named_modules():
+        for child in outputs_modified_in_place(parent):
+            name = f"{parent_name}.{child}" if parent_name else child
+            if any(n == name or n.startswith(name + ".") for n in styled):
+                getattr(parent, child).register_forward_hook(
+                    lambda _m, _a, out: out.clone() if isinstance(out, torch.Tensor) else out)
+                cloned += 1
+    return cloned

@@ -228,6 +228,29 @@ def forward_order(module: nn.Module, names: list[str]) -> dict[str, int] | None:
     return {name: rank for rank, name in enumerate(sorted(first, key=first.get))}
 
 
+def outputs_modified_in_place(module: nn.Module) -> set[str]:
+    """Children of ``module`` whose output its forward modifies in place (``out = self.shared_expert(x)`` then
+    ``out.add_(...)``: llama4's MoE), read from the source. Under TP such an output is a view that DTensor's
+    ``to_local`` returned, which autograd forbids modifying in place, so TP clones it. Empty where unreadable."""
+    tree = _forward_tree(type(module))
+    if tree is None:
+        return set()
+    bound: dict[str, str] = {}  # local name -> the child whose call produced it
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)
+                and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id == "self"):
+            bound[node.targets[0].id] = node.value.func.attr
+    changed = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in bound and node.func.attr.endswith("_") and not node.func.attr.startswith("_")):
+            changed.add(bound[node.func.value.id])
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id in bound:
+            changed.add(bound[node.target.id])  # out += ...: in place on a tensor
+    return changed
+
+
 def output_arity(layer: nn.Module) -> int | None:
     """How many values a decoder layer's forward returns: 0 for a bare tensor (current transformers), n for the
     n-tuple of older families (``return output, attn_weights``: falcon, bloom), read from its return statements.

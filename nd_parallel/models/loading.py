@@ -82,6 +82,33 @@ def local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     return local, tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
+def one_dim_each(placements) -> bool:
+    """Whether every tensor dim is cut by at most one mesh dim (e.g. a packed TP weight, each rank holding its slice
+    of both halves, with FSDP on another dim): the local piece, several boxes, is then what ``distribute_tensor``
+    cuts from the full tensor without communicating, whatever the order of the placements."""
+    if any(p.is_partial() for p in placements):
+        return False
+    dims = [p.dim for p in placements if not p.is_replicate()]
+    return len(dims) == len(set(dims))
+
+
+def cut_local(target, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``full`` for the DTensor ``target`` whose placements are not one box (``one_dim_each``):
+    cut as ``distribute_tensor`` cuts it with ``src_data_rank=None`` (no collective)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
+                             src_data_rank=None).to_local()
+
+
+def is_one_box(placements, mesh_shape) -> bool:
+    try:
+        check_one_box(placements, mesh_shape)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def check_one_box(placements, mesh_shape) -> None:
     """Refuse placements whose local piece is not one contiguous box (the offset would not describe it).
 
@@ -114,6 +141,11 @@ def read_into(target: torch.Tensor, tensors: Tensors, key: str, block_bytes: int
     rows, not by the slice. The copy casts to the target's dtype as transformers' ``tensor.to(dtype)`` does.
     Returns the bytes read (checkpoint dtype).
     """
+    if not _boxed(target):  # several boxes (a packed TP weight): the whole tensor is read, this one only
+        with safe_open(tensors.files[key], framework="pt", device="cpu") as f:
+            full = f.get_tensor(key)
+        target.to_local().copy_(cut_local(target, full))
+        return full.numel() * full.element_size()
     local, box = local_box(target)
     if local.numel() == 0:  # an uneven FSDP split can leave a rank nothing of a small tensor
         return 0
@@ -135,6 +167,16 @@ def read_into(target: torch.Tensor, tensors: Tensors, key: str, block_bytes: int
             local[first - rows.start:last - rows.start].copy_(block)
             read += block.numel() * block.element_size()
     return read
+
+
+def _boxed(tensor) -> bool:
+    """Whether this rank's piece is one box of the full tensor (read as a slice); else it must be cut from the
+    whole tensor, which is exact where ``one_dim_each`` holds (anything else is refused by ``local_box``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor) or is_one_box(tensor.placements, tensor.device_mesh.shape):
+        return True
+    return not one_dim_each(tensor.placements)
 
 
 class _SwapOnConversion:
@@ -168,6 +210,10 @@ def load_local_shards(modules: list[nn.Module], lazy: LazyCheckpoint, device: to
                 if id(param) in done:  # a tied weight: one parameter under two names
                     continue
                 done.add(id(param))
+                if name in lazy.initial and not _boxed(param):
+                    param.to_local().copy_(cut_local(param, lazy.initial[name]))
+                    report.tensors += 1
+                    continue
                 if name in lazy.initial:
                     local, box = local_box(param)
                     local.copy_(lazy.initial[name][box])

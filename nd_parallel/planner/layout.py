@@ -89,6 +89,8 @@ class Layout:
     """Pipeline stages per rank."""
     checkpointing: str = "none"
     """Activation checkpointing: "none", "selective" (save matmul/attention outputs) or "full" (layer inputs)."""
+    ep: int = 1
+    """Expert parallelism: ranks of dp_shard splitting each MoE layer's experts (ParallelismConfig.ep_size)."""
 
     @property
     def dp(self) -> int:
@@ -110,10 +112,11 @@ class Layout:
 
     def sizes(self) -> dict[str, int]:
         """The ParallelismConfig size fields."""
-        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard, "tp_size": self.tp,
-                "cp_size": self.cp, "pp_size": self.pp}
+        sizes = {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard, "tp_size": self.tp,
+                 "cp_size": self.cp, "pp_size": self.pp}
+        return {**sizes, "ep_size": self.ep} if self.ep > 1 else sizes
 
     def name(self) -> str:
         parts = [f"{k}{v}" for k, v in (("rep", self.dp_replicate), ("shard", self.dp_shard), ("tp", self.tp),
-                                        ("cp", self.cp), ("pp", self.pp)) if v > 1]
+                                        ("cp", self.cp), ("pp", self.pp), ("ep", self.ep)) if v > 1]
         return "x".join(parts) or "single"

@@ -61,23 +61,41 @@ def _norm_bytes(train: Training) -> int:
     return 6 if frozen else 8  # fp32 x, (bf16 x*rsqrt), bf16 output
 
 
-def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str) -> tuple[float, float]:
+def _ffn_per_rank(spec: ModelSpec, tp: int, ep: int) -> float:
+    """MLP width per token on one rank: split by tp, except the experts under expert parallelism (whole on every
+    tp rank, see distributed/tensor_parallel.plan_overrides)."""
+    if ep > 1:
+        return (spec.ffn - spec.expert_ffn) / tp + spec.expert_ffn
+    return spec.ffn / tp
+
+
+def routed_bytes_per_token(spec: ModelSpec, train: Training) -> float:
+    """A MoE layer's routed copies per token, averaged over the layers: each of the top-k rows going into the experts
+    (the gathered input the experts' first matmul saves) and coming out (saved by the router-weighted sum)."""
+    if not spec.num_experts:
+        return 0.0
+    share = spec.moe_layers / max(spec.num_layers, 1)
+    return 2 * train.compute_bytes * spec.experts_per_token * spec.hidden * share
+
+
+def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str, ep: int = 1) -> tuple[float, float]:
     """(bytes saved per token per layer, extra bytes alive per token while one layer is recomputed)."""
     b = train.compute_bytes
-    h, q, kv, f = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, spec.ffn / tp
+    h, q, kv, f = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, _ffn_per_rank(spec, tp, ep)
     mlp_tensors = 4 if spec.gated_mlp else 2
     norm = _norm_bytes(train)
     norms = 2 * (norm * h + FP32)  # + the fp32 rsqrt per token
     if spec.qk_norm:
         norms += norm * (q + kv)
     attention = b * (q + 2 * kv + q) + FP32 * spec.heads / tp  # q, k, v, out (o_proj's input shares it), lse
-    full_layer = norms + attention + b * mlp_tensors * f
+    full_layer = norms + attention + b * mlp_tensors * f + routed_bytes_per_token(spec, train)
     if mode == "none":
         return full_layer, 0.0
     if mode == "full":
         return b * h, full_layer
     # selective: layer input, q/k/v, attention out + lse, o_proj out, the MLP's up-projections, down out
-    saved = b * h + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h + b * f * (mlp_tensors // 2) + b * h
+    saved = (b * h + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h + b * f * (mlp_tensors // 2) + b * h
+             + routed_bytes_per_token(spec, train))
     return saved, max(full_layer - saved, 0.0)
 
 
@@ -136,12 +154,27 @@ def _tp_split(count: int, sharded: bool, tp: int, vocab: int) -> float:
     return count / tp if sharded and vocab % tp == 0 else count
 
 
+def layer_params_per_rank(spec: ModelSpec, layout: Layout) -> float:
+    """One decoder layer's parameters on a rank before FSDP. Under expert parallelism the experts are whole on every
+    tp rank and split over ep, then FSDP shards them over the dp ranks left (dp_shard / ep): per rank that is the
+    whole experts over dp_shard x cp, as without ep, so they are counted whole here and divided by FSDP's factor."""
+    split = spec.layer_tp_params - (spec.layer_expert_tp_params if layout.ep > 1 else 0)
+    return split / layout.tp + spec.layer_params - split
+
+
+def unsharded_layer(spec: ModelSpec, layout: Layout) -> float:
+    """One layer's parameters as FSDP gathers them for compute: the experts' ep share only under ep."""
+    if layout.ep == 1:
+        return layer_params_per_rank(spec, layout)
+    return layer_params_per_rank(spec, layout) - spec.layer_expert_params * (1 - 1 / layout.ep)
+
+
 def rank_params(spec: ModelSpec, layout: Layout, rank: int) -> tuple[float, float, float]:
     """(parameters this pp rank holds before FSDP, of which in decoder layers, of which embedding/head)."""
     num_stages = layout.pp * layout.virtual
     counts = uniform_layers(spec.num_layers, num_stages)
     tp = layout.tp
-    per_layer = spec.layer_tp_params / tp + spec.layer_params - spec.layer_tp_params
+    per_layer = layer_params_per_rank(spec, layout)
     layers = outer = 0.0
     for stage in stages_of_rank(layout, rank):
         layers += counts[stage] * per_layer
@@ -173,7 +206,7 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
         trainable = n_layers * spec.lora_layer_params(train.lora_rank) / shard
     grads, optimizer = FP32 * trainable, 2 * FP32 * trainable
     tokens = layout.micro_batch * train.seq_len / layout.cp  # per rank per micro-batch
-    saved, recompute = layer_activation_bytes(spec, train, layout.tp, layout.checkpointing)
+    saved, recompute = layer_activation_bytes(spec, train, layout.tp, layout.checkpointing, layout.ep)
     flight = inflight(layout, rank)
     has_last = num_stages - 1 in stages
     final_norm = (_norm_bytes(train) * spec.hidden + FP32) if has_last else 0
@@ -184,8 +217,9 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     # Unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group. Under bf16 every
     # layout has them: fully_shard runs even over one rank, to cast the fp32 weights (precision.py).
     if layout.fsdp or train.dtype == "bf16":
-        one_layer = spec.layer_tp_params / layout.tp + spec.layer_params - spec.layer_tp_params
-        comm += b * one_layer * (2 if cluster.device == "cuda" else 1) + b * outer
+        comm += b * unsharded_layer(spec, layout) * (2 if cluster.device == "cuda" else 1) + b * outer
+    if layout.ep > 1:  # one MoE layer's all-to-all send and receive buffers (top-k rows per token, balanced)
+        comm += 2 * b * tokens * spec.experts_per_token * spec.hidden
     if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
         comm += 4 * b * tokens * spec.kv_dim / layout.tp
     grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0

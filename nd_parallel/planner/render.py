@@ -59,7 +59,7 @@ def _gib(n: float) -> str:
 
 def table(result: PlanResult, top: int = 10) -> str:
     """Ranked plans, memory in GiB per component, then the rejected layouts grouped by reason."""
-    head = (f"{'#':>2} {'rep':>3} {'shard':>5} {'tp':>2} {'cp':>2} {'pp':>2} {'mb':>3} {'acc':>3} {'schedule':<16} "
+    head = (f"{'#':>2} {'rep':>3} {'shard':>5} {'tp':>2} {'cp':>2} {'pp':>2} {'ep':>2} {'mb':>3} {'acc':>3} {'schedule':<16} "
             f"{'ckpt':<9} {'peak':>6} {'param':>6} {'grad':>6} {'optim':>6} {'act':>6} {'logit':>6} {'pipe':>6} "
             f"{'comm':>6} {'step s':>8} {'tok/s':>9}  dominant")
     spec = result.spec
@@ -75,7 +75,7 @@ def table(result: PlanResult, top: int = 10) -> str:
         lay, parts = plan.layout, plan.memory.parts
         tokens = result.train.global_batch * result.train.seq_len
         lines.append(
-            f"{i:>2} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.tp:>2} {lay.cp:>2} {lay.pp:>2} {lay.micro_batch:>3} "
+            f"{i:>2} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.tp:>2} {lay.cp:>2} {lay.pp:>2} {lay.ep:>2} {lay.micro_batch:>3} "
             f"{lay.microbatches:>3} {(lay.schedule or '-') + (f' v{lay.virtual}' if lay.virtual > 1 else ''):<16} "
             f"{lay.checkpointing:<9} {_gib(plan.memory.peak):>6} "
             + " ".join(f"{_gib(parts.get(k, 0)):>6}" for k in ("params", "grads", "optimizer", "activations",

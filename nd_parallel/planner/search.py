@@ -24,7 +24,7 @@ from .spec import ModelSpec
 from .timing import step_time
 from .units import format_bytes
 
-SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
+SIZE_NAMES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "gpipe")
 
 
@@ -33,7 +33,7 @@ class Constraints:
     """What the user pins; None leaves a knob to the search."""
 
     sizes: dict[str, int] = field(default_factory=dict)
-    """Pinned sizes by name: dp_replicate, dp_shard, tp, cp, pp."""
+    """Pinned sizes by name: dp_replicate, dp_shard, tp, cp, pp, ep (ep borrows dp_shard's ranks: no rank of its own)."""
     micro_batch: int | None = None
     schedule: str | None = None
     checkpointing: str | None = None
@@ -113,15 +113,18 @@ def _schedules(spec: ModelSpec, lay: Layout, m: int, cons: Constraints) -> list[
     return out
 
 
-def _layouts(world: int, cons: Constraints):
+def _layouts(world: int, cons: Constraints, experts: int = 0):
+    """Every split of `world`; for a MoE model (`experts` > 0) each ep size that divides both dp_shard (ep borrows
+    its ranks) and the expert count."""
     for tp in divisors(world):
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 for rep in divisors(dp):
-                    lay = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, cp=cp, pp=pp)
-                    if all(getattr(lay, k) == v for k, v in cons.sizes.items()):
-                        yield lay
+                    for ep in [e for e in divisors(dp // rep) if experts and experts % e == 0] or [1]:
+                        lay = Layout(dp_replicate=rep, dp_shard=dp // rep, tp=tp, cp=cp, pp=pp, ep=ep)
+                        if all(getattr(lay, k) == v for k, v in cons.sizes.items()):
+                            yield lay
 
 
 def best_setting(spec, train, cluster, lay: Layout, cons: Constraints) -> tuple[Plan | None, RankMemory, int]:
@@ -158,7 +161,7 @@ def search(spec: ModelSpec, train: Training, cluster: Cluster, cons: Constraints
     start = time.perf_counter()
     check_inputs(spec, train, cluster, cons)
     plans, rejected, closest, evaluated = [], [], None, 0
-    for lay in _layouts(cluster.world, cons):
+    for lay in _layouts(cluster.world, cons, spec.num_experts):
         reason = size_rule(spec, train, cluster, lay, cons)
         if reason is None:
             plan, smallest, n = best_setting(spec, train, cluster, lay, cons)
@@ -201,8 +204,8 @@ def check_inputs(spec: ModelSpec, train: Training, cluster: Cluster, cons: Const
     pinned = 1
     for name, value in cons.sizes.items():
         if name not in SIZE_NAMES or value < 1:
-            raise PlannerError(f"pinned {name}={value}: pin dp_replicate, dp_shard, tp, cp or pp to a positive size")
-        pinned *= value
+            raise PlannerError(f"pinned {name}={value}: pin dp_replicate, dp_shard, tp, cp, pp or ep to a positive size")
+        pinned *= value if name != "ep" else 1
     if cluster.world % pinned:
         shown = " x ".join(f"{k}={v}" for k, v in cons.sizes.items())
         raise PlannerError(f"the pinned sizes {shown} = {pinned} ranks do not divide the {cluster.world} GPUs "

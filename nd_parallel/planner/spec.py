@@ -88,6 +88,11 @@ class ModelSpec:
     """Experts each token runs through (top-k): only their weights count in the FLOPs."""
     moe_layers: int = 0
     """Decoder layers with stacked experts (the rest are dense, e.g. DeepSeek's first_k_dense_replace)."""
+    layer_expert_tp_params: int = 0
+    """Of `layer_expert_params`, the ones the TP plan splits (moe_tp_experts); under expert parallelism they are
+    split over ep instead and whole on every tp rank."""
+    expert_ffn: int = 0
+    """Of `ffn`, the width of the experts a token runs through (top-k x expert width): not split by tp under ep."""
 
     @property
     def total_params(self) -> int:
@@ -102,8 +107,7 @@ class ModelSpec:
         return self.total_params - self.moe_layers * idle
 
     def expert_parallel_sizes(self) -> list[int]:
-        """The ep sizes a search may try: divisors of num_experts (1 for a dense model). Hook for the expert-parallel
-        search (issue 18 section 2): the search does not try ep > 1 yet, as ParallelismConfig has no ep_size here."""
+        """The ep sizes a search may try: divisors of num_experts (1 for a dense model)."""
         return [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0] if self.num_experts else [1]
 
     @property
@@ -171,7 +175,7 @@ def _moe(layer: nn.Module, layers, plan: dict, prefix: str, text) -> dict:
     tp_split = sum(p.numel() for name, ps in experts.items() if _matches(plan, f"{prefix}.{name}") == "moe_tp_experts"
                    for p in ps)
     return dict(layer_expert_params=sum(p.numel() for p in stacked), num_experts=num, experts_per_token=int(k),
-                moe_layers=sum(1 for lay in layers if _stacked_experts(lay)), expert_tp_params=tp_split,
+                moe_layers=sum(1 for lay in layers if _stacked_experts(lay)), layer_expert_tp_params=tp_split,
                 gated=any(2 * d in inner for d in inner) or len(stacked) >= 3)
 
 
@@ -190,7 +194,7 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     styles = {n: _matches(plan, f"{layer_prefix}.{n}") for n, _ in layer.named_modules() if n}
     tp_modules = [m for n, m in layer.named_modules() if n and styles[n] in TP_STYLES]
     moe = _moe(layer, layers, plan, layer_prefix, text)
-    tp_params = sum(_numel(m) for m in tp_modules) + moe.pop("expert_tp_params", 0)
+    tp_params = sum(_numel(m) for m in tp_modules) + moe.get("layer_expert_tp_params", 0)
     matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
     mlp_linears = [m for n, m in layer.named_modules() if "mlp" in n.split(".")[0] and isinstance(m, nn.Linear)]
     gated = moe.pop("gated", len(mlp_linears) >= 3)
@@ -198,6 +202,7 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
     if moe:  # per token only its top-k experts run: their weights count in the FLOPs, their width in the activations
         active = moe["layer_expert_params"] * moe["experts_per_token"] // moe["num_experts"]
         ffn = (sum(m.weight.numel() for m in mlp_linears) + active) // (text.hidden_size * (3 if gated else 2))
+        moe["expert_ffn"] = active // (text.hidden_size * (3 if gated else 2))
         matmul += active
     moe_tp = sum(1 for v in styles.values() if v == "moe_tp_experts")  # sums its output, all-reduces its inputs' grad
     heads = text.num_attention_heads

@@ -48,6 +48,9 @@ BUBBLE_SLOTS = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0, "interleaved
 
 def _bandwidth(layout: Layout, cluster: Cluster, dim: str) -> float:
     """intra_bw when the group of `dim` spans at most one node, else inter_bw."""
+    if dim == "ep":  # ep is dp_shard's innermost part: ep x cp x tp neighbouring ranks
+        span = layout.ep * layout.cp * layout.tp
+        return cluster.intra_bw if span <= cluster.gpus_per_node else cluster.inter_bw
     inner = {"tp": 1, "cp": layout.tp, "dp_shard": layout.tp, "dp_replicate": layout.tp * layout.cp * layout.dp_shard,
              "pp": layout.tp * layout.cp * layout.dp}[dim]
     size = {"tp": layout.tp, "cp": layout.cp, "dp_shard": layout.dp_shard * layout.cp,
@@ -65,12 +68,16 @@ def _rank_mb_seconds(spec: ModelSpec, train: Training, layout: Layout, cluster: 
     tp, frozen = layout.tp, train.lora_rank is not None
     backward = 1.0 if frozen else 2.0
     recompute = 1.0 if layout.checkpointing == "full" else 0.0
-    matmul = 2 * spec.layer_matmul_params / tp * (1 + backward + recompute)
+    matmul_params = spec.layer_matmul_params / tp
+    if layout.ep > 1 and spec.num_experts:  # the experts are whole on every tp rank under ep: their FLOPs too
+        active = spec.layer_expert_params * spec.experts_per_token / spec.num_experts
+        matmul_params += active - active / tp
+    matmul = 2 * matmul_params * (1 + backward + recompute)
     attention = 2 * train.seq_len * spec.q_dim / tp * (1 + 2 + recompute)
     lora = 6 * spec.lora_layer_params(train.lora_rank) if frozen else 0
     flops = tokens * n_layers * (matmul + attention + lora)
-    saved = layer_activation_bytes(spec, train, tp, "none")[0]
-    redo = layer_activation_bytes(spec, train, tp, layout.checkpointing)[1]  # recomputed bytes, 0 without
+    saved = layer_activation_bytes(spec, train, tp, "none", layout.ep)[0]
+    redo = layer_activation_bytes(spec, train, tp, layout.checkpointing, layout.ep)[1]  # recomputed bytes, 0 without
     traffic = tokens * n_layers * (3 * saved + 2 * redo)
     if layout.pp * layout.virtual - 1 in stages:
         vocab = spec.vocab / tp if spec.head_tp_sharded and spec.vocab % tp == 0 else spec.vocab
@@ -149,7 +156,7 @@ def _compute(per_rank: list[float], layout: Layout, cluster: Cluster) -> dict[st
 
 
 def _data_parallel(train: Training, layout: Layout, cluster: Cluster, n_layers: int, total: float,
-                   trainable: float) -> dict[str, float]:
+                   trainable: float, gathered: float | None = None) -> dict[str, float]:
     """FSDP's gathers and gradient reduction, and HSDP's all-reduce across replicas (empty without FSDP)."""
     if not layout.fsdp:
         return {}
@@ -158,7 +165,7 @@ def _data_parallel(train: Training, layout: Layout, cluster: Cluster, n_layers: 
     per_group = (n_layers + 1)  # one group per layer + the root
     # gloo has no reduce-scatter: torch runs an all-reduce of the whole gradient instead
     scatter = (_allreduce if cluster.device == "cpu" else _gather)(FP32 * trainable, n, bw, 0)
-    gathers = 2 * _gather(b * total, n, bw, 0) + scatter
+    gathers = 2 * _gather(b * (total if gathered is None else gathered), n, bw, 0) + scatter
     return {"fsdp": m * (gathers + 3 * per_group * lat * (n > 1)),
             "dp": m * (_allreduce(FP32 * trainable / n, layout.dp_replicate,
                                   _bandwidth(layout, cluster, "dp_replicate"), 0)
@@ -193,11 +200,32 @@ def _model_parallel(spec: ModelSpec, train: Training, layout: Layout, cluster: C
         block = b * tokens * 2 * spec.kv_dim / layout.tp  # this rank's k and v
         # forward: cp-1 K/V hops; backward: cp-1 K/V hops and cp dK/dV hops (the last one home)
         out["cp"] = m * n_layers * (3 * (layout.cp - 1) * block / bw + (3 * layout.cp - 2) * p2p)
+    if layout.ep > 1 and spec.num_experts:
+        out["ep"] = m * all_to_all_seconds(spec, train, layout, cluster, n_layers)
     if p > 1:
         bw = _bandwidth(layout, cluster, "pp")
         hop = b * tokens * spec.hidden / layout.tp / bw + p2p
         out["pp"] = 2 * (m + p - 1) * hop * layout.virtual
     return out
+
+
+def all_to_all_bytes(spec: ModelSpec, train: Training, layout: Layout, n_layers: int) -> float:
+    """Bytes one rank sends per micro-batch in expert parallelism's all-to-alls: per MoE layer, each token's top-k
+    rows go to their experts' ranks and come back (2 directions) in forward, and again in backward (and in the
+    recomputed forward under full checkpointing); the (ep-1)/ep share owned by other ranks leaves the rank."""
+    tokens = layout.micro_batch * train.seq_len / layout.cp
+    moe_layers = n_layers * spec.moe_layers / max(spec.num_layers, 1)
+    passes = 2 * (2 + (layout.checkpointing == "full"))
+    return passes * moe_layers * tokens * spec.experts_per_token * spec.hidden * train.compute_bytes * (
+        layout.ep - 1) / layout.ep
+
+
+def all_to_all_seconds(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster, n_layers: int) -> float:
+    """The all-to-alls of one micro-batch: their bytes over the ep group's bandwidth, plus a latency per exchange
+    (rows, expert ids and the counts in forward, rows back; the reverse in backward)."""
+    moe_layers = n_layers * spec.moe_layers / max(spec.num_layers, 1)
+    exchanges = moe_layers * (4 + 2 + 2 * (layout.checkpointing == "full"))
+    return all_to_all_bytes(spec, train, layout, n_layers) / _bandwidth(layout, cluster, "ep") + exchanges * cluster.latency
 
 
 def _add_dispatch(out: dict[str, float], spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster,
@@ -217,7 +245,7 @@ def _add_dispatch(out: dict[str, float], spec: ModelSpec, train: Training, layou
 
 def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> dict[str, float]:
     """Seconds per optimizer step, by component (they sum to the step time, in this key order: compute, bubble,
-    fsdp, dp, tp, cp, pp, optimizer, dispatch; the ones a layout does not use are absent)."""
+    fsdp, dp, tp, cp, ep, pp, optimizer, dispatch; the ones a layout does not use are absent)."""
     p = layout.pp
     per_rank = [_rank_mb_seconds(spec, train, layout, cluster, r) for r in range(p)]
     out = _compute(per_rank, layout, cluster)
@@ -225,7 +253,10 @@ def step_time(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster
     n_layers = max(sum(counts[s] for s in stages_of_rank(layout, r)) for r in range(p))
     total = max(rank_params(spec, layout, r)[0] for r in range(p))
     trainable = total if train.lora_rank is None else n_layers * spec.lora_layer_params(train.lora_rank)
-    out.update(_data_parallel(train, layout, cluster, n_layers, total, trainable))
+    gathered = None
+    if layout.ep > 1 and spec.num_experts:  # FSDP gathers only this rank's ep share of each layer's experts
+        gathered = total - n_layers * spec.moe_layers / spec.num_layers * spec.layer_expert_params * (1 - 1 / layout.ep)
+    out.update(_data_parallel(train, layout, cluster, n_layers, total, trainable, gathered))
     out.update(_model_parallel(spec, train, layout, cluster, n_layers))
     out["optimizer"] = (28 * trainable / (layout.shard if layout.fsdp else 1) / cluster.mem_bw
                         + _optimizer_dispatch(spec, train, layout, cluster))

@@ -118,6 +118,8 @@ LAUNCHES = {
         "pp2_ep2": L(4, pp_size=2, dp_shard_size=2, ep_size=2),
         # sequence shards route like any tokens; the experts are FSDP-sharded over the cp ranks too
         "cp2_ep2": L(cp_size=2, dp_shard_size=2, ep_size=2),
+        # TP on attention, dense MLPs and shared experts, the experts split over ep and whole on each tp rank
+        "tp2_ep2": L(tp_size=2, dp_shard_size=2, ep_size=2),
     }),
     "families": (2, 4, {
         "fsdp2": L(4, dp_shard_size=2),
@@ -134,13 +136,19 @@ EXCLUDE |= {(f, n) for f in ("deepseek_v3_ep", "gpt_oss") for n in ("ep2_fsdp2",
 EXCLUDE |= {("qwen3_moe_ep", "ep2_hsdp2x2"), ("mixtral_aux", "ep4")}
 EXCLUDE |= {(f, n) for f in ("qwen3_moe_ep", "olmoe_ep", "deepseek_v3_ep", "gpt_oss", "mixtral_aux")
             for n in ("ep2_fsdp2_ac", "pp2_ep2", "cp2_ep2")}
+# TP2 x EP2 on three MoE families: plain (mixtral), per-head q/k norms under TP (qwen3_moe), shared
+# experts under TP next to the experts under EP (deepseek_v3).
+EXCLUDE |= {(f, "tp2_ep2") for f in ("olmoe_ep", "gpt_oss", "mixtral_aux")}
 # llama: tied embeddings; qwen3: per-head q/k norms (replicated_with_grad_allreduce); mistral: untied;
 # gemma: tied, scaled embeddings and a padding_idx inside the vocab-sharded embedding.
 # Mixture-of-experts and MLA families under their own tp_plans, in the 2- and 4-rank launches (no launch of their
 # own: start-up is most of a launch's time): TP2 and FSDP2 x TP2 only, FSDP alone splits them as any model.
 MOE_TP = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen2_moe"]
 EXCLUDE |= {(f, n) for f in MOE_TP for n in ("ddp2", "fsdp2", "hsdp2x2", "ddp2_tp2", "pp4_1f1b", "pp2_fsdp2")}
-FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP], "4r": ["llama", "qwen3", "mistral", "gemma",
+# llama4: packed_rowwise experts ([E, H, 2I]) read by the memory-efficient loader, and the shared expert's output that
+# its MoE block adds to in place (cloned under TP): TP2 only.
+EXCLUDE |= {("llama4_text", n) for n in ("ddp2", "fsdp2")}
+FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP, "llama4_text"], "4r": ["llama", "qwen3", "mistral", "gemma",
                                                                          "deepseek_v2"],
             "8r": ["llama", "qwen3", "mistral"], "pp2r": ["llama", "qwen3", "mistral"],
             "pp4r": ["llama", "qwen3", "mistral", "deepseek_v2"],  # deepseek_v2: PP2 x TP2 only

@@ -43,13 +43,35 @@ def test_ep_size_is_an_option_not_a_size():
     (dict(dp_replicate_size=2, ep_size=2), "ep_size=2 does not fit dp_shard_size=1"),  # replicas are not borrowed
     (dict(ep_size=0), "ep_size=0 must be a positive integer; use ep_size=1 to disable"),
     (dict(ep_size=2.0), "write ep_size=2"),
-    (dict(dp_shard_size=2, tp_size=2, ep_size=2), "with tp_size=2 is not supported yet"),
     (dict(dp_shard_size=2, pp_size=2, ep_size=2, pp_backend="deepspeed"), "deepspeed"),
 ])
 def test_ep_size_refused_by_the_config(kwargs, needle):
     with pytest.raises(ConfigError) as err:
         ParallelismConfig(**kwargs)
     assert needle in str(err.value)
+
+
+def test_ep_with_tp_keeps_the_experts_out_of_the_tp_plan():
+    """EP x TP (torchtitan's etp=1): the experts' entries leave the plan, attention and dense MLPs keep theirs."""
+    from nd_parallel.distributed.tensor_parallel import plan_overrides, resolve_plan
+
+    model = model_of("qwen3_moe", mlp_only_layers=[0], intermediate_size=64)
+    config = ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=2)
+    assert config.world_size == 4
+    plan = resolve_plan(model, plan_overrides(model, config))
+    assert not any(".experts" in key for key in plan)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    without_ep = resolve_plan(model, plan_overrides(model, ParallelismConfig(tp_size=2)))
+    assert without_ep["model.layers.*.mlp.experts"] == "moe_tp_experts"  # TP alone still splits the experts
+
+
+def test_ep_with_tp_refuses_an_entry_around_the_experts():
+    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=2,
+                                                tp_plan={"model.layers.*.mlp": "all_reduce"})).attach(fake_accelerator(4))
+    with pytest.raises(NotImplementedError, match=r"tp_plan entry 'model.layers.\*.mlp': 'all_reduce' on a module "
+                                                  r"around the experts 'model.layers.0.mlp.experts' cannot be exact "
+                                                  r"with ep_size=2.*tp_plan=\{'model.layers.\*.mlp': None\}"):
+        plugin.prepare(model_of("mixtral"))
 
 
 def test_ep_size_checked_again_when_dp_shard_is_resolved():

@@ -58,3 +58,34 @@ def test_moe_plan_never_ends_in_a_traceback(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["params"]["experts"] == 16 and data["params"]["active"] < data["params"]["total"]
     assert data["plans"] and all(p["peak_memory_bytes"] <= GiB for p in data["plans"])
+
+
+def test_expert_parallel_in_memory_time_and_search():
+    """ep_size is searched (a divisor of dp_shard and of the experts); under ep the experts are whole on every tp rank
+    (their states not divided by tp), FSDP gathers only the ep share, and the step pays the all-to-alls."""
+    from dataclasses import replace
+
+    from nd_parallel.planner.layout import Cluster, Layout, Training
+    from nd_parallel.planner.memory import peak_memory, rank_params, unsharded_layer
+    from nd_parallel.planner.search import Constraints, search
+    from nd_parallel.planner.timing import all_to_all_bytes, step_time
+
+    spec = spec_of("qwen3_moe", **QWEN3_MOE)
+    train, cluster = Training(seq_len=512, global_batch=8), Cluster(1, 8, 8 * GiB)
+    tp2 = Layout(dp_replicate=1, dp_shard=4, tp=2, cp=1, pp=1, micro_batch=2, microbatches=1)
+    tp2_ep2 = replace(tp2, ep=2)
+    experts = spec.layer_expert_params * spec.moe_layers
+    assert rank_params(spec, tp2_ep2, 0)[0] - rank_params(spec, tp2, 0)[0] == experts / 2  # not split by tp
+    assert unsharded_layer(spec, tp2_ep2) < unsharded_layer(spec, tp2) + spec.layer_expert_params / 2
+    tokens = 2 * 512
+    # tokens x top-k x hidden x 2 directions, forward and backward, the half that leaves the rank, every MoE layer
+    assert all_to_all_bytes(spec, train, tp2_ep2, 4) == 4 * 4 * tokens * 4 * 256 * 2 / 2
+    assert step_time(spec, train, tp2_ep2, cluster)["ep"] > 0 and "ep" not in step_time(spec, train, tp2, cluster)
+    assert peak_memory(spec, train, tp2_ep2, cluster).peak > peak_memory(spec, train, tp2, cluster).peak
+    result = search(spec, train, cluster)
+    eps = {(r.layout.dp_shard, r.layout.ep) for r in result.plans}
+    assert any(ep > 1 for _, ep in eps) and all(shard % ep == 0 and 16 % ep == 0 for shard, ep in eps)
+    pinned = search(spec, train, cluster, Constraints(sizes={"ep": 4}))
+    assert pinned.plans and all(p.layout.ep == 4 and p.layout.sizes()["ep_size"] == 4 for p in pinned.plans)
+    dense = search(spec_of(), train, cluster)
+    assert all(p.layout.ep == 1 and "ep_size" not in p.layout.sizes() for p in dense.plans)

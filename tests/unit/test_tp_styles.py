@@ -119,3 +119,28 @@ def test_mla_style_on_a_model_without_a_rope_part_is_refused():
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     _refused(model, {"model.layers.*.self_attn.k_proj": "mla_kv_a_proj"}, ValueError,
              r"mla_kv_a_proj needs qk_rope_head_dim in LlamaConfig")
+
+
+def test_outputs_modified_in_place_read_from_the_source():
+    """llama4's MoE block adds the routed experts into the shared expert's output in place: under TP that output is
+    a view to_local returned, so it is cloned (tensor_parallel_styles.clone_outputs_modified_in_place)."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.llama4 import modeling_llama4
+
+    from nd_parallel.models.hf import outputs_modified_in_place
+
+    assert outputs_modified_in_place(object.__new__(modeling_llama4.Llama4TextMoe)) == {"shared_expert"}
+    assert outputs_modified_in_place(object.__new__(modeling_llama.LlamaMLP)) == set()
+
+
+def test_packed_weight_loads_as_several_boxes():
+    """A packed TP placement alone (each rank's slice of both halves) is not one box; each tensor dim is cut by one
+    mesh dim at most, so the loader cuts it from the whole tensor; two cuts on one dim are still refused."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from nd_parallel.models.loading import is_one_box, one_dim_each
+
+    assert not is_one_box((_StridedShard(2, split_factor=2),), (2,))
+    assert one_dim_each((Shard(0), _StridedShard(2, split_factor=2)))
+    assert not one_dim_each((Shard(0), _StridedShard(0, split_factor=2)))

@@ -48,7 +48,9 @@ def check_model(model: nn.Module, config: ParallelismConfig) -> None:
     found = moe.expert_modules(model) if count is not None else []
     if count is None or not found:
         what = ("declares no experts in its config" if count is None else
-                f"declares {count} experts, but no module holds weights stacked over them")
+                f"declares {count} experts, but no module both holds weights stacked over them and takes the routing "
+                "(hidden_states, top_k_index, top_k_weights), which the all-to-all dispatch needs (llama4's experts "
+                "take the routed rows only)")
         raise ValueError(
             f"ep_size={ep} needs a mixture-of-experts model, but {type(model).__name__} {what}; use ep_size=1 "
             "(its ranks then shard the dense model with FSDP)")
