@@ -16,7 +16,7 @@ import re
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from nd_parallel.distributed import sequence_parallel as sp
 from nd_parallel.distributed import tensor_parallel_styles as moe
 from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
 from nd_parallel.models import hf
@@ -238,6 +239,14 @@ def check_model(model: nn.Module, config) -> None:
     check_module_types(model, config.tp_plan)
     check_param_entries(model, resolve_plan(model, config.tp_plan), config.tp_size)
     check_adapters(model, config.tp_plan)
+    if config.sequence_parallel is True:
+        matched = expand_plan(model, _vocab_entries(model, resolve_plan(model, config.tp_plan),
+                                                    match_plan(model, resolve_plan(model, config.tp_plan)),
+                                                    config.tp_size))
+        reason = sp.reason_not_exact(model, matched)
+        if reason is not None:
+            raise NotImplementedError(f"sequence_parallel=True is not exact for {type(model).__name__}: {reason}; "
+                                      "use sequence_parallel='auto' (off for this model) or False")
 
 
 def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -262,8 +271,21 @@ def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, st
     return matched
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None) -> int:
-    """Shard ``model`` in place over ``tp_mesh`` following its plan. Returns the number of modules sharded."""
+def _sequence_plan(model: nn.Module, matched: dict[str, str], wanted: bool | str) -> sp.SequencePlan | None:
+    """The sequence-parallel plan of this part where wanted and exact (an explicit True was checked up front)."""
+    if not wanted:
+        return None
+    found = sp.sequence_plan(model, matched)
+    if isinstance(found, str):
+        logger.info("sequence parallelism off for %s: %s", type(model).__name__, found)
+        return None
+    return found
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None,
+             sequence_parallel: bool | str = False) -> int:
+    """Shard ``model`` in place over ``tp_mesh`` following its plan, with sequence parallelism between the TP
+    regions where ``sequence_parallel`` asks and it is exact. Returns the number of modules sharded."""
     tp_size = tp_mesh.size()
     check_divisibility(model, tp_size)
     plan = resolve_plan(model, plan_overrides)
@@ -280,17 +302,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
         raise ValueError(
             f"no module of {type(model).__name__} matches its tp_plan {sorted(plan)}; check the override names"
         )
+    cfg = hf.text_config(model)
     matched = _vocab_entries(model, plan, matched, tp_size)
     # A plan names HF modules; where PEFT wrapped one, its base layer takes the style and the adapter follows it.
     matched = expand_plan(model, matched)
+    seq_plan = _sequence_plan(model, matched, sequence_parallel)
+    styles = {name: STYLES[style](cfg) for name, style in matched.items()}
+    for name in seq_plan.rowwise if seq_plan else ():  # reduce-scatter onto the sequence instead of all-reduce
+        styles[name] = RowwiseParallel(output_layouts=Shard(1))
     emb, head = hf.embedding_and_head(model)
     tied = hf.shares_embedding(model)
-    cfg = hf.text_config(model)
     with KeepRequiresGrad(model):
         for name, style in params.items():  # stacked expert weights, sinks: placed here, used by their module's style
             owner, _, own = name.rpartition(".")
             moe.shard_param(model.get_submodule(owner), own, style, tp_mesh)
-        parallelize_module(model, tp_mesh, {name: STYLES[style](cfg) for name, style in matched.items()})
+        parallelize_module(model, tp_mesh, styles)
+        if seq_plan is not None:
+            sp.apply_sequence_parallel(model, tp_mesh, seq_plan)
     if tied:
         # Sharding gave the embedding and lm_head separate DTensor parameters; share one again (both are
         # Shard(0) over the vocabulary, or both replicated) so the summed gradient keeps them equal.
