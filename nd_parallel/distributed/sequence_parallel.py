@@ -229,8 +229,14 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
         part.get_submodule(name).register_forward_pre_hook(region, with_kwargs=True, prepend=True)
     parallelize_module(part, tp_mesh, {name: SequenceParallel(use_local_output=True) for name in plan.norms})
     gather_before_head(part.get_submodule(plan.exit), tp_mesh, seq)
+    part._nd_parallel_sequence_parallel = plan  # what was applied, for tests and reports
     logger.info("applied sequence parallelism over %d ranks: %d regions, %d norms, gathered after %s",
                 tp_mesh.size(), len(plan.regions), len(plan.norms), plan.exit)
+
+
+def applied(model: nn.Module) -> bool:
+    """Whether sequence parallelism runs in ``model`` (a model, a PeftModel or a pipeline's stages)."""
+    return any(hasattr(m, "_nd_parallel_sequence_parallel") for m in model.modules())
 
 
 def gather_before_head(module: nn.Module, tp_mesh: DeviceMesh, seq: _Sequence) -> None:

@@ -75,3 +75,23 @@ def test_explicit_true_on_a_moe_plan_is_refused_before_any_collective():
     with pytest.raises(NotImplementedError, match=r"sequence_parallel=True is not exact for MixtralForCausalLM: "
                                                   r".*moe_tp_experts.*use sequence_parallel='auto'.*or False"):
         plugin.prepare(model)
+
+
+def test_planner_splits_the_norms_under_sequence_parallelism():
+    from nd_parallel.planner.layout import Training
+    from nd_parallel.planner.memory import layer_activation_bytes
+    from nd_parallel.planner.spec import model_spec
+
+    spec = model_spec(tiny_model("llama", num_hidden_layers=2))
+    h = spec.hidden
+    for dtype, norm in (("fp32", 12), ("bf16", 8)):
+        b = 4 if dtype == "fp32" else 2
+        on, off = (Training(seq_len=1024, global_batch=4, dtype=dtype, sequence_parallel=sp) for sp in (True, False))
+        for tp in (2, 4):
+            # two norms: fp32 input and normalised value and the rsqrt ÷ tp; the gathered output (the colwise
+            # linears' saved input) stays whole
+            saved = 2 * ((norm - b) * h + 4)
+            assert layer_activation_bytes(spec, off, tp, "none")[0] - layer_activation_bytes(spec, on, tp, "none")[0] \
+                == pytest.approx(saved * (1 - 1 / tp))
+            assert layer_activation_bytes(spec, on, tp, "full")[0] == pytest.approx(b * h / tp)  # the layer input
+        assert layer_activation_bytes(spec, on, 1, "none") == layer_activation_bytes(spec, off, 1, "none")
