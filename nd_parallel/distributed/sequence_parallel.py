@@ -222,9 +222,10 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
     def region(module, args, kwargs):
         return _map_hidden(module, args, kwargs, lambda x: gather_sequence(x, tp_mesh, seq.full_len))
 
-    # The region's gather must run before a colwise style's own input hook on the same module (a region that is
-    # a single Linear): prepend.
-    part.get_submodule(plan.layers[0]).register_forward_pre_hook(entry, with_kwargs=True, prepend=True)
+    # The entry runs after the hooks already there: a pipeline stage injects the received activation at its first
+    # layer's input (pipeline/stage.py), which is what must be split. A region's gather must run before a colwise
+    # style's own input hook on the same module (a region that is a single Linear): prepend.
+    part.get_submodule(plan.layers[0]).register_forward_pre_hook(entry, with_kwargs=True)
     for name in plan.regions:
         part.get_submodule(name).register_forward_pre_hook(region, with_kwargs=True, prepend=True)
     parallelize_module(part, tp_mesh, {name: SequenceParallel(use_local_output=True) for name in plan.norms})
