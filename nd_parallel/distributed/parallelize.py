@@ -129,7 +129,8 @@ def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_c
     """
     config = config if config is not None else (mesh.config if mesh is not None else None)
     if config is not None and config.tp_size > 1:
-        apply_tp(part, mesh["tp"], plan_overrides=tensor_parallel.plan_overrides(part, config))
+        apply_tp(part, mesh["tp"], plan_overrides=tensor_parallel.plan_overrides(part, config),
+                 sequence_parallel=config.sequence_parallel)
     experts = expert_parallel.apply_ep(part, mesh["ep"]) if config is not None and config.ep_size > 1 else []
     if config is not None and config.compile:
         apply_compile(part, config.compile_backend)

@@ -16,7 +16,7 @@ import re
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from nd_parallel.distributed import sequence_parallel as sp
 from nd_parallel.distributed import tensor_parallel_styles as moe
 from nd_parallel.distributed.tensor_parallel_lora import KeepRequiresGrad, expand_plan
 from nd_parallel.distributed.tensor_parallel_quantized import (
@@ -288,6 +289,13 @@ def check_model(model: nn.Module, config) -> None:
     check_module_types(model, overrides)
     check_param_entries(model, resolve_plan(model, overrides), config.tp_size)
     check_adapters(model, overrides, config.tp_size)
+    if config.sequence_parallel is True:
+        plan = resolve_plan(model, overrides)
+        matched = expand_plan(model, _vocab_entries(model, plan, match_plan(model, plan), config.tp_size))
+        reason = sp.reason_not_exact(model, matched)
+        if reason is not None:
+            raise NotImplementedError(f"sequence_parallel=True is not exact for {type(model).__name__}: {reason}; "
+                                      "use sequence_parallel='auto' (off for this model) or False")
 
 
 def _vocab_entries(model: nn.Module, plan: dict[str, str], matched: dict[str, str], tp_size: int) -> dict[str, str]:
@@ -323,9 +331,21 @@ def _styles(model: nn.Module, matched: dict[str, str], head_input: Placement | N
             for name, style in matched.items()}
 
 
+def _sequence_plan(model: nn.Module, matched: dict[str, str], wanted: bool | str) -> sp.SequencePlan | None:
+    """The sequence-parallel plan of this part where wanted and exact (an explicit True was checked up front)."""
+    if not wanted:
+        return None
+    found = sp.sequence_plan(model, matched)
+    if isinstance(found, str):
+        logger.info("sequence parallelism off for %s: %s", type(model).__name__, found)
+        return None
+    return found
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str, str | None] | None = None,
-             head_input: Placement | None = None) -> int:
-    """Shard ``model`` in place over ``tp_mesh`` following its plan. Returns the number of modules sharded.
+             sequence_parallel: bool | str = False, head_input: Placement | None = None) -> int:
+    """Shard ``model`` in place over ``tp_mesh`` following its plan, with sequence parallelism between the TP
+    regions where ``sequence_parallel`` asks and it is exact. Returns the number of modules sharded.
     ``head_input``: the layout of the hidden states reaching the head (``_styles``)."""
     tp_size = tp_mesh.size()
     check_divisibility(model, tp_size)
@@ -346,9 +366,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
     matched = _vocab_entries(model, plan, matched, tp_size)
     # A plan names HF modules; where PEFT wrapped one, its base layer takes the style and the adapter follows it.
     matched = expand_plan(model, matched)
+    seq_plan = _sequence_plan(model, matched, sequence_parallel)
+    styles = _styles(model, matched, head_input)
+    for name in seq_plan.rowwise if seq_plan else ():  # reduce-scatter onto the sequence instead of all-reduce
+        styles[name] = RowwiseParallel(output_layouts=Shard(1))
     emb, head = hf.embedding_and_head(model)
     tied = hf.shares_embedding(model)
-    styles = _styles(model, matched, head_input)
     with KeepRequiresGrad(model):
         for name, style in params.items():  # stacked expert weights, sinks: placed here, used by their module's style
             owner, _, own = name.rpartition(".")
@@ -357,6 +380,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
         quantized = {n: s for n, s in matched.items() if is_quantized_linear(model.get_submodule(n))}
         kept = {n: apply_quantized_tp(model.get_submodule(n), s, tp_mesh) for n, s in quantized.items()}
         parallelize_module(model, tp_mesh, {n: style for n, style in styles.items() if n not in quantized})
+        if seq_plan is not None:
+            sp.apply_sequence_parallel(model, tp_mesh, seq_plan)
     if quantized:
         logger.info("4-bit base layers under TP: %d sharded, %d replicated (blocks not aligned with the split)",
                     sum(v == "sharded" for v in kept.values()), sum(v == "replicated" for v in kept.values()))

@@ -24,6 +24,9 @@ class Training:
     loss_chunk: int = 256
     """Tokens per chunk of the chunked loss (ParallelismConfig.loss_chunk_size, default "auto" = 256); 0 = HF's
     loss on the full logits."""
+    sequence_parallel: bool = True
+    """Sequence parallelism under TP (ParallelismConfig.sequence_parallel, default "auto": on for dense models, off
+    for mixture-of-experts plans): the norms' saved tensors, the layer input and the rowwise outputs are ÷ tp."""
 
     @property
     def compute_bytes(self) -> int:

@@ -8,8 +8,10 @@ in Large Transformer Models" (sbh(34 + 5as/h) bytes for GPT-3 in fp16), redone f
 - gated MLPs save gate, up, act(gate) and act(gate)*up (4f instead of 2f + dropout);
 - RMSNorm in transformers upcasts to fp32: per norm it saves the fp32 input, the normalised value (for the
   weight's gradient, absent when the weight is frozen) and the output the next Linear saves;
-- no dropout (HF decoders train with p=0), TP without sequence parallelism: norms and the residual stream are
-  replicated over tp, attention and MLP internals are split.
+- no dropout (HF decoders train with p=0); under TP attention and MLP internals are split. Without sequence
+  parallelism the norms and the residual stream are replicated over tp; with it (distributed/sequence_parallel.py)
+  each norm's fp32 input and normalised value, the layer input kept by checkpointing and the rowwise outputs are
+  ÷ tp, while each TP region's gathered input (what its colwise linears save) stays whole.
 Checkpointing: "full" keeps one input per layer and recomputes one layer at a time in backward; "selective"
 keeps the outputs of every matmul and of attention and recomputes norms, activations and elementwise ops.
 
@@ -78,13 +80,26 @@ def routed_bytes_per_token(spec: ModelSpec, train: Training) -> float:
     return 2 * train.compute_bytes * spec.experts_per_token * spec.hidden * share
 
 
+def sequence_split(spec: ModelSpec, train: Training, tp: int) -> int:
+    """How many ways the stream between TP regions is split: tp under sequence parallelism (dense models), else 1."""
+    return tp if train.sequence_parallel and not spec.num_experts else 1
+
+
+def norm_activation_bytes(train: Training, hidden: int, sp: int) -> float:
+    """One norm per token: its saved tensors on this rank's 1/sp of the tokens, plus the (gathered, whole) output
+    the next Linear saves, plus the fp32 rsqrt."""
+    b = train.compute_bytes
+    return (_norm_bytes(train) - b) * hidden / sp + b * hidden + FP32 / sp
+
+
 def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str, ep: int = 1) -> tuple[float, float]:
     """(bytes saved per token per layer, extra bytes alive per token while one layer is recomputed)."""
     b = train.compute_bytes
     h, q, kv, f = spec.hidden, spec.q_dim / tp, spec.kv_dim / tp, _ffn_per_rank(spec, tp, ep)
     mlp_tensors = 4 if spec.gated_mlp else 2
     norm = _norm_bytes(train)
-    norms = 2 * (norm * h + FP32)  # + the fp32 rsqrt per token
+    sp = sequence_split(spec, train, tp)
+    norms = 2 * norm_activation_bytes(train, h, sp)
     if spec.qk_norm:
         norms += norm * (q + kv)
     attention = b * (q + 2 * kv + q) + FP32 * spec.heads / tp  # q, k, v, out (o_proj's input shares it), lse
@@ -92,10 +107,10 @@ def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str,
     if mode == "none":
         return full_layer, 0.0
     if mode == "full":
-        return b * h, full_layer
+        return b * h / sp, full_layer
     # selective: layer input, q/k/v, attention out + lse, o_proj out, the MLP's up-projections, down out
-    saved = (b * h + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h + b * f * (mlp_tensors // 2) + b * h
-             + routed_bytes_per_token(spec, train))
+    saved = (b * h / sp + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h / sp + b * f * (mlp_tensors // 2)
+             + b * h / sp + routed_bytes_per_token(spec, train))
     return saved, max(full_layer - saved, 0.0)
 
 
@@ -209,7 +224,7 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     saved, recompute = layer_activation_bytes(spec, train, layout.tp, layout.checkpointing, layout.ep)
     flight = inflight(layout, rank)
     has_last = num_stages - 1 in stages
-    final_norm = (_norm_bytes(train) * spec.hidden + FP32) if has_last else 0
+    final_norm = norm_activation_bytes(train, spec.hidden, sequence_split(spec, train, layout.tp)) if has_last else 0
     activations = flight * tokens * (n_layers * saved + final_norm)
     pipeline = flight * tokens * 2 * b * spec.hidden * len(stages) if p > 1 else 0  # stage output + recv buffer
     logits, held_logits = _logits(spec, train, layout, tokens, flight) if has_last else (0, 0)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
+from nd_parallel.distributed import sequence_parallel
 from nd_parallel.testing.models import make_samples
 from nd_parallel.testing.parity import Recipe, train_layout
 
@@ -33,7 +34,8 @@ def main(out_dir: str, spec_path: str) -> None:
         if dist.get_rank() == 0:
             spread = max(abs(a - b) for losses in every_rank for a, b in zip(losses, result.losses))
             torch.save(
-                {"losses": result.losses, "norms": result.norms, "state": result.state, "rank_spread": spread},
+                {"losses": result.losses, "norms": result.norms, "state": result.state, "rank_spread": spread,
+                 "sequence_parallel": sequence_parallel.applied(result.model)},
                 f"{out_dir}/{result_name}.pt",
             )
         dist.barrier()

@@ -52,7 +52,7 @@ LAUNCHES = {
     "4r": (4, 2, {
         "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, **OFF),
         "fsdp2_tp2": L(dp_shard_size=-1, tp_size=2, **C),
-        "ddp2_tp2": L(dp_replicate_size=2, tp_size=2, **OFF),
+        "ddp2_tp2": L(dp_replicate_size=2, tp_size=2, sequence_parallel=False, **OFF),  # plain TP stays covered
         "fsdp2_tp2_compile": L(dp_shard_size=-1, tp_size=2, compile=True, compile_backend="aot_eager"),
     }),
     "8r": (8, 4, {
@@ -198,6 +198,17 @@ VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocach
                 moe_intermediate_size=32, num_key_value_heads=4, qk_nope_head_dim=16, qk_rope_head_dim=8,
                 v_head_dim=16, kv_lora_rank=32, q_lora_rank=32, head_dim=8)),
             **MOE_VARIANTS}  # OPT's default dropout 0.1 would differ per process
+# Sequence parallelism is on by default under TP where exact ("auto"): every tp row of a dense family below runs it
+# (tp2, fsdp2_tp2, hsdp2x2_tp2, pp2_tp2, pp2_fsdp2_tp2, cp2_tp2, and the families launch: sandwich norms, parallel
+# residuals, LayerNorm with bias), which each row asserts; these plans keep it off (styles SP does not cover).
+NO_SP = {*MOE_TP, "olmo2", "phi3"}
+
+
+def sp_expected(family: str, config: dict) -> bool:
+    return config.get("tp_size", 1) > 1 and config.get("sequence_parallel", "auto") is not False \
+        and family not in NO_SP
+
+
 CASES = [(launch, f, name) for launch, (_, _, layouts) in LAUNCHES.items() for f in FAMILIES[launch] for name in layouts
          if (f, name) not in EXCLUDE]
 
@@ -255,6 +266,7 @@ def test_layout_matches_single_process(launch_name, family, layout, runs, refere
     print(f"{launch_name} {family} {layout}: {diff}")
     assert len(ref.losses) == 5, "the data ran out before the last step"
     assert saved["rank_spread"] == 0.0, "the reported loss differs between ranks"
+    assert saved["sequence_parallel"] == sp_expected(family, lay["config"])
     assert diff["loss_rel"] <= LOSS_RTOL, (diff, run.losses, ref.losses)
     assert diff["norm_rel"] <= NORM_RTOL, (diff, run.norms, ref.norms)
     assert diff["param_abs"] <= PARAM_ATOL, diff

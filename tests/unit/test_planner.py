@@ -206,8 +206,8 @@ def test_checkpointing_orders_memory(llama):
     assert layer_activation_bytes(llama, train, 1, "full")[1] == saved["none"]  # one layer recomputed at a time
 
 
-def test_tp_splits_attention_and_mlp_not_the_norms(llama):
-    train = Training(seq_len=1024, global_batch=4, dtype="fp32")
+def test_tp_splits_attention_and_mlp_not_the_norms(llama):  # without SP; with it: tests/unit/test_sequence_parallel.py
+    train = Training(seq_len=1024, global_batch=4, dtype="fp32", sequence_parallel=False)
     one, two = (layer_activation_bytes(llama, train, tp, "none")[0] for tp in (1, 2))
     norms = 2 * (12 * llama.hidden + 4)
     assert two - norms == pytest.approx((one - norms) / 2)
