@@ -16,9 +16,7 @@ from nd_parallel.testing.tiny_configs import tiny_sweep_config
 
 CI_TYPES = (Path(__file__).parent / "sweep_ci_types.txt").read_text().split()
 # Found by the sweep and not fixed yet (strict: the row fails once it passes, so the mark is removed with the fix).
-KNOWN = {"granitemoe": "TP2 crashes in memory-efficient loading: its packed experts' _StridedShard on the tp dim is "
-                       "not one contiguous box (NotImplementedError from models/loading.check_one_box, after the mesh "
-                       "was built)"}
+KNOWN: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,9 @@ VARIANTS = {"gemma3_sw8": ("gemma3_text", dict(sliding_window=8)), "llama_nocach
 # Sequence parallelism is on by default under TP where exact ("auto"): every tp row of a dense family below runs it
 # (tp2, fsdp2_tp2, hsdp2x2_tp2, pp2_tp2, pp2_fsdp2_tp2, cp2_tp2, and the families launch: sandwich norms, parallel
 # residuals, LayerNorm with bias), which each row asserts; these plans keep it off (styles SP does not cover).
-NO_SP = {*MOE_TP, "olmo2", "phi3"}
+# "auto" keeps sequence parallelism off where a layer holds a MoE block (its experts sit outside the TP regions, EP
+# included) or a gather-output / split-input style (olmo2, phi3): sequence_parallel.reason_not_exact
+NO_SP = {*MOE_TP, "llama4_text", *FAMILIES["ep4r"], "olmo2", "phi3"}
 
 
 def sp_expected(family: str, config: dict) -> bool:
