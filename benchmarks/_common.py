@@ -181,3 +181,10 @@ def write_json(path: str | None, data) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=1))
+
+
+def print_report(title: str, head: list[str], rows: list[list], raw) -> None:
+    """A benchmark's result: its title with the machine's load, the markdown table, and the raw numbers as JSON."""
+    print(f"\n{title}; load {loadavg()}\n")
+    print("\n".join(md_table(head, rows)))
+    print("\nraw:", json.dumps(raw))

@@ -151,10 +151,8 @@ def parent(args, argv) -> None:
                 print(f"   launch took {took}", file=sys.stderr, flush=True)
                 rows.append(table_row(seq, name, res, args))
                 raw.append((seq, name, res))
-    print(f"\nllama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, fp32, batch 1 per dp rank "
-          f"(PP: 2 micro-batches of 1), chunk {args.chunk} tokens; load {_common.loadavg()}\n")
-    print("\n".join(_common.md_table(HEAD, rows)))
-    print("\nraw:", json.dumps(raw))
+    _common.print_report(f"llama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, fp32, batch 1 per dp "
+                         f"rank (PP: 2 micro-batches of 1), chunk {args.chunk} tokens", HEAD, rows, raw)
 
 
 if __name__ == "__main__":

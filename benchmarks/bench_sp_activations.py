@@ -20,7 +20,6 @@ the two alternate step by step inside the launch, so machine noise hits them ali
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -129,10 +128,8 @@ def parent(args, argv) -> None:
                              f"{planner_saving(args, model, seq, tp) / mb:.1f}", f"{(off - on) / saving:.2f}",
                              f"{res['time']['sp'] / res['time']['no_sp']:.2f}x"])
                 raw.append((seq, tp, res))
-    print(f"\nllama hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}, fp32, one "
-          f"sample, chunked loss; load {_common.loadavg()}\n")
-    print("\n".join(_common.md_table(HEAD, rows)))
-    print("\nraw:", json.dumps(raw))
+    _common.print_report(f"llama hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}, "
+                         "fp32, one sample, chunked loss", HEAD, rows, raw)
 
 
 if __name__ == "__main__":
