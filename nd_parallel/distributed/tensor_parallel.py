@@ -282,15 +282,15 @@ def check_model(model: nn.Module, config) -> None:
     """Everything TP needs from a model under ``config`` (tp_size > 1), checked before any collective."""
     check_divisibility(model, config.tp_size)
     overrides = plan_overrides(model, config)
-    if not resolve_plan(model, overrides):
+    plan = resolve_plan(model, overrides)
+    if not plan:
         raise ValueError(
             f"{type(model).__name__} has no tp_plan, so tp_size={config.tp_size} cannot shard it; pass "
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
     check_module_types(model, overrides)
-    check_param_entries(model, resolve_plan(model, overrides), config.tp_size)
+    check_param_entries(model, plan, config.tp_size)
     check_adapters(model, overrides, config.tp_size)
     if config.sequence_parallel is True:
-        plan = resolve_plan(model, overrides)
         matched = expand_plan(model, _vocab_entries(model, plan, match_plan(model, plan), config.tp_size))
         reason = sp.reason_not_exact(model, matched)
         if reason is not None:
