@@ -54,7 +54,9 @@ def parse_args(argv):
                   tied=(False, "tie embeddings and lm_head [untied]"), hidden=256, intermediate=1024, layers=4,
                   heads=8, kv_heads=4, seq=128, batch=(2, "samples per data-parallel rank per step [2]"),
                   profile=(False, ("after the rounds, profile one more step per implementation and count its "
-                                   "collectives")))
+                                   "collectives")),
+                  sp=("auto", "ours' sequence_parallel: auto, on or off [auto]"),
+                  loss_chunk=("auto", "ours' loss_chunk_size: auto, or tokens per chunk, 0 = HF's loss [auto]"))
     quick = {"steps": 2, "rounds": 2, "warmup": 1, "hidden": 64, "intermediate": 128, "layers": 2, "heads": 4,
              "kv_heads": 2, "seq": 32}
     args = _common.parse(p, argv, quick=quick,
@@ -177,7 +179,10 @@ def clip_per_mesh(parameters, max_norm: float) -> torch.Tensor:
 def build_ours(accelerator, model_dir, samples, args) -> Impl:
     from nd_parallel import NDParallelPlugin, ParallelismConfig
 
-    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=DP, tp_size=TP)).attach(accelerator)
+    sp = {"auto": "auto", "on": True, "off": False}[args.sp]
+    chunk = args.loss_chunk if args.loss_chunk == "auto" else int(args.loss_chunk)
+    config = ParallelismConfig(dp_shard_size=DP, tp_size=TP, sequence_parallel=sp, loss_chunk_size=chunk)
+    plugin = NDParallelPlugin(config).attach(accelerator)
     model = plugin.from_pretrained(model_dir, attn_implementation="sdpa")
     opt, sched = _optimizer_and_schedule(model, total_steps(args))
     loader = DataLoader(samples, batch_size=args.batch, collate_fn=_collate)
