@@ -49,7 +49,8 @@ def worker(args) -> None:
         AcceleratorState._reset_state(reset_partial_state=False)
         accelerator = Accelerator()
         extra = dict(compile=True, compile_backend=args.backend) if variant == "compiled" else {}
-        plugin = NDParallelPlugin(ParallelismConfig(**layout, **extra)).attach(accelerator)
+        chunk = args.loss_chunk if args.loss_chunk == "auto" else int(args.loss_chunk)
+        plugin = NDParallelPlugin(ParallelismConfig(**layout, **extra, loss_chunk_size=chunk)).attach(accelerator)
         model = plugin.from_pretrained(args.model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         loader = DataLoader(samples, batch_size=args.batch, collate_fn=_collate)
@@ -76,7 +77,8 @@ def worker(args) -> None:
 def parse_args(argv):
     p = _common.parser(__doc__)
     _common.flags(p, seq=512, batch=2, vocab=8192, hidden=256, layers=4, steps=5, warmup=2, backend="inductor",
-                  layouts=",".join(LAYOUTS))
+                  layouts=",".join(LAYOUTS),
+                  loss_chunk=("auto", "loss_chunk_size of both variants: auto, or tokens per chunk, 0 = HF's loss [auto]"))
     return _common.parse(p, argv, quick={"seq": 64, "hidden": 64, "layers": 2, "vocab": 512, "steps": 2},
                          internal=("--layout", "--model"))
 
@@ -95,7 +97,8 @@ def parent(args, argv) -> None:
             print(f"-- {name} ({world} rank(s))", file=sys.stderr, flush=True)
             res, took = _common.launch_timed(__file__, world, [
                 f"--seq={args.seq}", f"--batch={args.batch}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-                f"--backend={args.backend}", f"--layout={json.dumps(layout)}", f"--model={model}"], timeout=3600)
+                f"--backend={args.backend}", f"--loss-chunk={args.loss_chunk}", f"--layout={json.dumps(layout)}",
+                f"--model={model}"], timeout=3600)
             print(f"   launch took {took}: {json.dumps(res)}", file=sys.stderr, flush=True)
             e, c = res["eager"], res["compiled"]
             rows.append([name, f"{1e3 * e['step']:.0f}", f"{1e3 * c['step']:.0f}", f"{c['step'] / e['step']:.2f}x",
