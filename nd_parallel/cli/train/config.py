@@ -335,8 +335,8 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")
     if data.get("torch_compile_mode"):  # inductor's tuning of the same graphs
-        out.notes.append(f"torch_compile_mode={data['torch_compile_mode']!r}: layers compile with inductor's default "
-                         "mode (the same math; max-autotune only tunes kernels)")
+        out.notes.append(f"torch_compile_mode={data['torch_compile_mode']!r}: not passed on; with torch_compile the "
+                         "layers compile in inductor's default mode (the same math, kernels tuned less)")
     note = experts_note(data.get("experts_implementation"))
     out.notes += [note] if note else []
     return out
