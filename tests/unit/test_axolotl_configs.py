@@ -239,6 +239,18 @@ def test_an_optimizer_whose_package_is_missing_is_refused_before_the_ranks(monke
     extras.check_installed("adamw_torch", "c.yml")
 
 
+def test_lora_on_parameter_tensors_is_refused_where_the_experts_are_split(tmp_path):
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.cli.train import extras
+
+    cfg = load_train_config(_write(tmp_path, "adapter: lora\nlora_target_parameters: [mlp.experts.down_proj]\n"),
+                            environ={})
+    extras.check_layout(cfg, ParallelismConfig(dp_shard_size=2), "c.yml")
+    with pytest.raises(ConfigError, match=r"c.yml: lora_target_parameters with tp_size=2: LoRA on parameter tensors "
+                                          r"is checked under FSDP2 / DDP only; use dp_shard_size"):
+        extras.check_layout(cfg, ParallelismConfig(tp_size=2), "c.yml")
+
+
 def test_field_thinking_reaches_the_template_and_is_trained_with_the_answer(tmp_path, data):
     """Axolotl's field_thinking / template_thinking_key: the record's reasoning goes to the template under the
     template's key; a trained turn's reasoning and content are trained, the prompt is not."""

@@ -153,3 +153,15 @@ def check_installed(optimizer: str, path) -> None:
     if package and importlib.util.find_spec(package) is None:
         raise ConfigError(f"{path}: optimizer={optimizer!r} is built from {package}, which is not installed: "
                           f"pip install {package}, or use optimizer: adamw_torch")
+
+
+def check_layout(t: AxolotlExtras, layout, path) -> None:
+    """LoRA on parameter tensors is checked under data parallelism (FSDP2, DDP) and CP only: under TP, EP and PP
+    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet."""
+    split = {name: getattr(layout, name, 1) for name in ("tp_size", "ep_size", "pp_size")}
+    split = {name: size for name, size in split.items() if size > 1}
+    if t.lora_target_parameters and split:
+        sizes = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "
+                          "FSDP2 / DDP only; use dp_shard_size for this run, or adapt the linear layers only "
+                          "(lora_target_modules) under this layout")

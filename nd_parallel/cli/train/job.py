@@ -21,7 +21,7 @@ from nd_parallel.config import ConfigError, ParallelismConfig
 
 from .config import TrainConfig
 from .data.sources import DatasetSpec
-from .extras import check_installed, scheduler_args
+from .extras import check_installed, check_layout, scheduler_args
 
 if TYPE_CHECKING:
     from nd_parallel.testing.parity import Recipe
@@ -197,6 +197,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
 
     check_layout_rules(cfg, path)
     check_installed(cfg.optimizer, path)
+    check_layout(cfg, layout, path)
     prepared = prepare(cfg, workdir)
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:
