@@ -275,3 +275,16 @@ def test_jamba_template(tmp_path, data):
     text = tok.decode(rows[0]["input_ids"]).replace(tok.bos_token or "", "")
     assert text == "<|bom|><|system|> <|eom|><|bom|><|user|> hello there<|eom|><|bom|><|assistant|> a short answer<|eom|>"
     assert trained == ["a short answer<|eom|>"]
+
+
+def test_every_unknown_key_of_a_datasets_entry_is_in_the_one_message(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("base_model: ./m\ndatasets:\n  - path: ./d.jsonl\n    type: chat_template\n"
+                    "    field_chosen: chosen\n    field_rejected: rejected\nrl: dpo\n")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    for needle in ("unknown key 'field_chosen' in datasets[0]", "unknown key 'field_rejected' in datasets[0]",
+                   "rl='dpo': nd-parallel train does supervised fine-tuning only"):
+        assert needle in message, (needle, message)
+    assert "3 setting(s) cannot be used" in message, message
