@@ -77,31 +77,18 @@ def stage(text: str, tmp: Path) -> str | None:
     return None
 
 
-# Keys another change owns (QLoRA / 8-bit optimizers / memory options): set back to what this stage accepts, to
-# count the files that pass once that change is in.
-OTHER_CHANGE = {"load_in_4bit": None, "load_in_8bit": None, "bnb_config_kwargs": None, "activation_offloading": None,
-                "tiled_mlp": None, "tiled_mlp_num_shards": None}
-BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit")
+# Keys another change owns (8-bit LoRA: load_in_8bit): dropped, to count the files that pass once that change is in.
+OTHER_CHANGE = ("load_in_8bit",)
 
 
 def without_other_change(cfg: dict) -> dict:
-    cfg = {k: v for k, v in cfg.items() if k not in OTHER_CHANGE}
-    if cfg.get("adapter") == "qlora":
-        cfg["adapter"] = "lora"
-    if cfg.get("optimizer") in BNB_OPTIMIZERS:
-        cfg["optimizer"] = "adamw_torch"
-    if cfg.get("gradient_checkpointing") == "offload":
-        cfg["gradient_checkpointing"] = True
-    if isinstance(cfg.get("fsdp_config"), dict):
-        cfg["fsdp_config"] = {k: v for k, v in cfg["fsdp_config"].items() if "offload_params" not in k}
-    if isinstance(cfg.get("fsdp"), list):
-        cfg["fsdp"] = [v for v in cfg["fsdp"] if v != "offload"]
-    return cfg
+    return {k: v for k, v in cfg.items() if k not in OTHER_CHANGE}
 
 
 def reasons(message: str) -> list[str]:
     """The refused keys of one message (the text before the first '=' or ':' of each line)."""
     lines = [line.strip()[2:] for line in message.splitlines()[1:] if line.strip().startswith("- ")] or [message]
+    lines = [re.sub(r"^in \S+: ", "", line) for line in lines]  # ParallelismConfig's checks name the file first
     return sorted({re.split(r"[=:]| is | are |' in ", line.removeprefix("unknown key "), maxsplit=1)[0].strip("' ")
                    for line in lines})
 
@@ -137,8 +124,7 @@ def main() -> None:
     for path in sorted(Path(args.ours).glob("*.yml")):
         ours |= uses(yaml.safe_load(path.read_text()))
     print(f"{len(passed)} of {len(files)} Axolotl example YAMLs pass nd-parallel train's config stage")
-    print(f"{len(passed) + len(later)} of {len(files)} pass once the QLoRA / 8-bit optimizer / memory-option keys "
-          f"({', '.join([*OTHER_CHANGE, 'adapter: qlora', *BNB_OPTIMIZERS])}, offload) are accepted")
+    print(f"{len(passed) + len(later)} of {len(files)} pass once {', '.join(OTHER_CHANGE)} is accepted")
     print(f"\nrefused keys/values, by the number of files they stop (top {args.show}):")
     for reason, n in stopped.most_common(args.show):
         print(f"  {n:4d}  {reason}")

@@ -107,3 +107,15 @@ def test_unfrozen_parameters_train_only_those(runs):
     changed = {k for k in common if not torch.equal(before[k], after[k])}
     assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed
     assert changed <= {"lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight"}, changed
+
+
+def test_lora_on_expert_tensors_trains(runs):
+    """lora_target_parameters (peft's target_parameters) under FSDP2: the experts' adapters are saved and moved
+    from their zero init (lora_B), with rsLoRA recorded in the adapter's config."""
+    root, jobs = runs
+    out = Path(jobs["qwen3_moe_plugins"].train.output_dir)
+    experts_b = {k: v for k, v in saved_tensors(out).items() if ".mlp.experts." in k and "lora_B" in k}
+    assert experts_b and all(v.abs().max() > 0 for v in experts_b.values()), sorted(experts_b)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert config["use_rslora"] is True

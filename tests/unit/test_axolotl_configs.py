@@ -143,3 +143,148 @@ def test_drop_system_message_and_jinja_file(tmp_path, data):
     trained, rows, tok = _trained(tmp_path, data, chat_template="jinja", chat_template_jinja=str(tmp_path / "t.jinja"),
                                   datasets=[entry])
     assert "sys" not in tok.decode(rows[0]["input_ids"]) and trained == ["</s>yo</s>"]
+
+
+EXTRAS = """batch_size: 4
+micro_batch_size: 2
+gradient_accumulation_steps: 2
+bfloat16: true
+lr_scheduler: cosine
+cosine_min_lr_ratio: 0.1
+resize_token_embeddings_to_32x: true
+adapter: lora
+peft_use_rslora: true
+lora_fan_in_fan_out: true
+lora_target_parameters: [mlp.experts.gate_up_proj, mlp.experts.down_proj]
+revision_of_model: abc123
+experts_implementation: scattermoe
+torch_compile_mode: max-autotune
+optimizer: paged_adamw_32bit
+"""
+
+
+def test_axolotl_extras_are_acted_on(tmp_path):
+    """Each key reaches what the ranks and the Trainer receive (extras.py)."""
+    from nd_parallel.cli.train.extras import embedding_rows, lora_kwargs, model_kwargs
+    from nd_parallel.cli.train.job import trainer_arguments
+
+    cfg = load_train_config(_write(tmp_path, EXTRAS), environ={})
+    assert cfg.bf16 is True and cfg.batch_size == 4 and cfg.optimizer == "paged_adamw_32bit"
+    assert lora_kwargs(cfg) == {"use_rslora": True, "fan_in_fan_out": True,
+                                "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    assert model_kwargs(cfg) == {"revision": "abc123"}  # scattermoe: Axolotl's kernel, not transformers'
+    assert (embedding_rows(cfg, 181), embedding_rows(cfg, 192), embedding_rows(cfg, 193)) == (192, 192, 224)
+    args = trainer_arguments(cfg, "c", train_rows=8, eval_rows=0, dp=1)
+    assert args["lr_scheduler_type"] == "cosine_with_min_lr" and args["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1}
+    assert any(n.startswith("experts_implementation: scattermoe") for n in cfg.notes)
+    assert any(n.startswith("torch_compile_mode='max-autotune': not passed on") for n in cfg.notes)
+    plain = load_train_config(_write(tmp_path, "batch_size: 1\n"), environ={})  # 1 = 1 x 1 (Axolotl's defaults)
+    assert embedding_rows(plain, 181) == 181 and plain.gradient_accumulation_steps == 1
+
+
+def test_cosine_min_lr_ratio_is_axolotls_schedule():
+    """transformers' cosine_with_min_lr (what cosine_min_lr_ratio maps to) against Axolotl's
+    _get_cosine_schedule_with_min_lr_lambda, written out: warm-up, then (1 - r) * 0.5 * (1 + cos(pi p)) + r."""
+    import math
+
+    import torch
+    from transformers import get_scheduler
+
+    warmup, total, r = 3, 20, 0.1
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_scheduler("cosine_with_min_lr", opt, num_warmup_steps=warmup, num_training_steps=total,
+                          scheduler_specific_kwargs={"min_lr_rate": r})
+    for step in range(total + 1):
+        p = (step - warmup) / (total - warmup)
+        want = step / warmup if step < warmup else (1 - r) * 0.5 * (1 + math.cos(math.pi * p)) + r
+        assert abs(sched.get_last_lr()[0] - want) < 1e-12, (step, sched.get_last_lr(), want)
+        opt.step()
+        sched.step()
+
+
+def test_extras_and_unsupported_features_are_refused_in_one_message(tmp_path):
+    path = _write(tmp_path, """batch_size: 8
+micro_batch_size: 2
+lr_scheduler: linear
+cosine_min_lr_ratio: 0.2
+lora_target_parameters: [experts.down_proj]
+bfloat16: true
+bf16: false
+float16: true
+qat: {weight_dtype: int4}
+processor_type: AutoProcessor
+tokenizer_use_mistral_common: true
+""")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    for needle in ("batch_size=8 but micro_batch_size x gradient_accumulation_steps = 2 x 1",
+                   "set gradient_accumulation_steps: 4", "cosine_min_lr_ratio with lr_scheduler='linear'",
+                   "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
+                   "float16=True: float16: true loads and trains the weights in fp16", "qat=", "train unquantized",
+                   "processor_type='AutoProcessor': multimodal", "tokenizer_use_mistral_common=True: mistral-common"):
+        assert needle in message, (needle, message)
+    assert "8 setting(s) cannot be used" in message, message
+
+
+def test_an_optimizer_whose_package_is_missing_is_refused_before_the_ranks(monkeypatch):
+    import importlib.util
+
+    from nd_parallel.cli.train import extras
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"c.yml: optimizer='adamw_torch_4bit' is built from torchao, which is not "
+                                          r"installed: pip install torchao, or use optimizer: adamw_torch"):
+        extras.check_installed("adamw_torch_4bit", "c.yml")
+    extras.check_installed("adamw_torch", "c.yml")
+
+
+def test_lora_on_parameter_tensors_is_refused_where_the_experts_are_split(tmp_path):
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.cli.train import extras
+
+    cfg = load_train_config(_write(tmp_path, "adapter: lora\nlora_target_parameters: [mlp.experts.down_proj]\n"),
+                            environ={})
+    extras.check_layout(cfg, ParallelismConfig(dp_shard_size=2), "c.yml")
+    with pytest.raises(ConfigError, match=r"c.yml: lora_target_parameters with tp_size=2: LoRA on parameter tensors "
+                                          r"is checked under FSDP2 / DDP only; use dp_shard_size"):
+        extras.check_layout(cfg, ParallelismConfig(tp_size=2), "c.yml")
+
+
+def test_field_thinking_reaches_the_template_and_is_trained_with_the_answer(tmp_path, data):
+    """Axolotl's field_thinking / template_thinking_key: the record's reasoning goes to the template under the
+    template's key; a trained turn's reasoning and content are trained, the prompt is not."""
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['thinking'] is defined %}[{{ m['thinking'] }}]"
+                "{% endif %}{{ m['content'] }}</s>{% endfor %}")
+    turns = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "an answer", "why": "a plan"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    entry = {"path": str(tmp_path / "c.jsonl"), "type": "chat_template", "field_thinking": "why",
+             "template_thinking_key": "thinking"}
+    trained, rows, tok = _trained(tmp_path, data, chat_template="jinja", chat_template_jinja=template,
+                                  datasets=[entry])
+    assert "[a plan]an answer" in tok.decode(rows[0]["input_ids"])
+    assert trained == ["a plan]an answer</s>"]
+
+
+def test_jamba_template(tmp_path, data):
+    turns = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "a short answer"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    markers = ["<|bom|>", "<|eom|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    trained, rows, tok = _trained(tmp_path, data, chat_template="jamba", eot_tokens=["<|eom|>"], tokens=markers,
+                                  datasets=[{"path": str(tmp_path / "c.jsonl"), "type": "chat_template"}])
+    text = tok.decode(rows[0]["input_ids"]).replace(tok.bos_token or "", "")
+    assert text == "<|bom|><|system|> <|eom|><|bom|><|user|> hello there<|eom|><|bom|><|assistant|> a short answer<|eom|>"
+    assert trained == ["a short answer<|eom|>"]
+
+
+def test_every_unknown_key_of_a_datasets_entry_is_in_the_one_message(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("base_model: ./m\ndatasets:\n  - path: ./d.jsonl\n    type: chat_template\n"
+                    "    field_chosen: chosen\n    field_rejected: rejected\nrl: dpo\n")
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    for needle in ("unknown key 'field_chosen' in datasets[0]", "unknown key 'field_rejected' in datasets[0]",
+                   "rl='dpo': nd-parallel train does supervised fine-tuning only"):
+        assert needle in message, (needle, message)
+    assert "3 setting(s) cannot be used" in message, message

@@ -21,12 +21,13 @@ from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
-from .keys import REFUSED, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
+from .extras import AxolotlExtras, experts_note, extra_refusals
+from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .schema import AXOLOTL_DEFAULTS
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(AxolotlExtras):
     """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
 
     # --- model
@@ -186,7 +187,8 @@ _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unus
 # Axolotl switches for fused CUDA/Triton kernels of the same computation: accepted with one line each
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
                "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
-MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS}
+MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16",
+          "torch_compile_mode", "gemma4_hybrid_attn_impl"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
                   "tiled_mlp_use_original_mlp": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
@@ -269,7 +271,8 @@ def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], li
             unused.append(key)
         else:
             owner = next((p for p, keys in equivalents.PLUGINS.items() if key in keys), None)
-            hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else suggest(key, known)
+            hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else (
+                UNREAD.get(key) or suggest(key, known))
             refused.append(f"unknown key {key!r} in {path}; {hint}")
     return ours, unused, refused
 
@@ -332,6 +335,14 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
     for key in KERNEL_KEYS:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")
+    if data.get("torch_compile_mode"):  # inductor's tuning of the same graphs
+        out.notes.append(f"torch_compile_mode={data['torch_compile_mode']!r}: not passed on; with torch_compile the "
+                         "layers compile in inductor's default mode (the same math, kernels tuned less)")
+    if data.get("gemma4_hybrid_attn_impl"):  # FA2 on sliding layers, SDPA on global ones: one attention, SDPA
+        out.settings["attn_implementation"] = "sdpa"
+        out.notes.append("gemma4_hybrid_attn_impl: every layer runs SDPA (the hybrid only swaps kernels)")
+    note = experts_note(data.get("experts_implementation"))
+    out.notes += [note] if note else []
     return out
 
 
@@ -347,7 +358,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
             data["resume_from_checkpoint"] = "auto"
     plugin_keys = equivalents.plugin_keys(data.get("plugins"))
     d, unused, sorted_out = _sort_keys(path, data, plugin_keys)
-    refused += sorted_out + map_memory_keys(d) + value_refusals(d) + _types(d)
+    refused += sorted_out + extra_refusals(d) + map_memory_keys(d) + value_refusals(d) + _types(d)
     mapped = _mapped(data, plugin_keys)
     refused += mapped.refused
     if "base_model" not in d:

@@ -21,6 +21,7 @@ from nd_parallel.config import ConfigError, ParallelismConfig
 
 from .config import TrainConfig
 from .data.sources import DatasetSpec
+from .extras import check_installed, check_layout, scheduler_args
 
 if TYPE_CHECKING:
     from nd_parallel.testing.parity import Recipe
@@ -174,7 +175,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         if getattr(cfg, key) is not None:
             args[key] = getattr(cfg, key)
-    return args
+    return {**args, **scheduler_args(cfg)}  # cosine_min_lr_ratio (extras.py)
 
 
 def check_layout_rules(cfg: TrainConfig, path) -> None:
@@ -195,6 +196,8 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     from .data import prepare
 
     check_layout_rules(cfg, path)
+    check_installed(cfg.optimizer, path)
+    check_layout(cfg, layout, path)
     prepared = prepare(cfg, workdir)
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:

@@ -15,9 +15,13 @@ from typing import Any
 
 from .equivalents import offload_setting
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
+              "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit")
 # bitsandbytes' (built by the Trainer): on DTensor parameters each rank steps its local shards
-# (nd_parallel/distributed/optimizer_8bit.py); "paged" falls back to unpaged on CPU.
+# (nd_parallel/distributed/optimizer_8bit.py); "paged" falls back to unpaged on CPU. paged_adamw_32bit is
+# bitsandbytes' AdamW with fp32 state (element-wise: a shard's step is bit-equal to one process's).
+# torchao's low-bit AdamW (built by the Trainer, as in Axolotl): its states are DTensor-aware tensor subclasses.
+TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 
@@ -51,7 +55,6 @@ REFUSED = {
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",
     "peft_use_dora": "DoRA is not implemented: use plain LoRA (adapter: lora)",
-    "peft_use_rslora": "rsLoRA is not implemented: use plain LoRA (adapter: lora)",
     "loraplus_lr_ratio": "LoRA+ is not implemented: drop it",
     "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
     "merge_lora": "merge after training with peft's merge_and_unload()",
@@ -59,8 +62,41 @@ REFUSED = {
     "lisa_n_layers": "LISA is not implemented: use adapter: lora",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     "curriculum_sampling": "drop it (samples are shuffled)",
+    # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
+    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
+            "only; " + _PLUGIN,
+    "reward_model": "reward models train a classification head: nd-parallel train trains causal LMs only; "
+                    + _PLUGIN,
+    "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
+                            "only; " + _PLUGIN,
+    "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
+    "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
+                      "train the text model with a text dataset (chat_template, alpaca, completion)",
+    "tokenizer_use_mistral_common": "mistral-common's tokenizer (tekken.json from the hub) is not supported: drop "
+                                    "it; the checkpoint's Hugging Face tokenizer is used (chat_template: "
+                                    "mistral_v7_tekken or tokenizer_default)",
+    "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
+           "(adapter: lora, or full fine-tuning) and quantize afterwards",
+    "quantize_moe_experts": "4-bit MoE expert tensors are not supported (QLoRA here quantizes nn.Linear layers; "
+                            "a model's fused 3D expert tensors stay unquantized): drop it; adapter: qlora with "
+                            "load_in_4bit quantizes the linear layers",
+    "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
+                                 "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
+    "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "
+                                        "use the unquantized checkpoint",
+    "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
+                                 "is not supported: use adapter: lora (lora_target_parameters for the experts)",
+    "float16": "float16: true loads and trains the weights in fp16 without loss scaling, which is not supported: "
+               "use bf16: true",
+    "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
+                                "cosine_min_lr_ratio (a cosine floor)",
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
+
+# Keys in Axolotl's own examples that Axolotl does not read either (not in its schema): what the author meant.
+UNREAD = {"eta_min": "Axolotl does not read eta_min either (its cosine decays to 0); for a floor write "
+                     "cosine_min_lr_ratio: <eta_min / learning_rate>, or drop it"}
 
 
 def is_logging(key: str) -> bool:

@@ -24,6 +24,7 @@ from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
 from .config import TrainConfig
+from .extras import embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
 
 
@@ -41,11 +42,13 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = t.attn_implementation
+    extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     if t.load_in_4bit:  # quantized tensor by tensor as transformers reads the checkpoint: never the whole fp32 model
         extra.update(_quantization(t))
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
-        model.resize_token_embeddings(len(tokenizer))
+    rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
+    if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
+        model.resize_token_embeddings(rows)
     if t.liger:
         _apply_liger(model, t.liger)
     if t.adapter not in ("lora", "qlora"):
@@ -59,7 +62,7 @@ def _model(t: TrainConfig, tokenizer):
     targets = "all-linear" if t.lora_target_linear else t.lora_target_modules
     return get_peft_model(model, LoraConfig(
         r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-        modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM"))
+        modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t)))
 
 
 def freeze_except(model, patterns: list[str]) -> None:

@@ -97,6 +97,8 @@ def _turns(rec: dict, spec: DatasetSpec, where: str, i: int) -> list[dict]:
                               f"({', '.join(sorted(roles))}); map it in the datasets entry, e.g. roles: "
                               f"{{assistant: [assistant, {role}]}}, or fix the record")
         out.append({"role": roles[role], "content": content})
+        if isinstance(turn.get(spec.field_thinking), str):  # Axolotl's field_thinking -> template_thinking_key
+            out[-1][spec.template_thinking_key] = turn[spec.field_thinking]
     if spec.drop_system_message and out and out[0]["role"] == "system":  # Axolotl drops the first turn only
         out = out[1:]
     return out
@@ -106,16 +108,20 @@ def _render(tokenizer, turns: list[dict]) -> str:
     return tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
 
 
-def _content_spans(tokenizer, turns: list[dict], full: str) -> list[tuple[int, int]]:
+def _content_spans(tokenizer, turns: list[dict], full: str, thinking_key: str) -> list[tuple[int, int]]:
     """Character span of each turn's content in `full`: found inside the text the turn adds to the rendering
-    (rendering turns[:t] and turns[:t + 1]), so a content repeated in an earlier turn is not mistaken for it."""
+    (rendering turns[:t] and turns[:t + 1]), so a content repeated in an earlier turn is not mistaken for it.
+    Where the template renders the turn's reasoning (thinking_key) before its content, the span starts there:
+    Axolotl trains a trained turn's reasoning with its content."""
     spans = []
     for t, turn in enumerate(turns):
         seg_start, seg_end = len(_render(tokenizer, turns[:t])), len(_render(tokenizer, turns[:t + 1]))
         content = str(turn["content"])
         text = content if content in full[seg_start:seg_end] else content.strip()
         at = full.find(text, seg_start, seg_end) if text else -1
-        spans.append((at, at + len(text)) if at >= 0 else (seg_end, seg_end))
+        thought = str(turn.get(thinking_key) or "").strip()
+        begin = full.find(thought, seg_start, at) if thought and at > 0 else -1
+        spans.append((begin if begin >= 0 else at, at + len(text)) if at >= 0 else (seg_end, seg_end))
     return spans
 
 
@@ -174,7 +180,7 @@ def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inp
         turns = _turns(rec, spec, where, i)
         try:
             full = _render(tokenizer, turns)
-            spans = _content_spans(tokenizer, turns, full)
+            spans = _content_spans(tokenizer, turns, full, spec.template_thinking_key)
         except Exception as err:  # jinja raises its own errors (e.g. roles that must alternate)
             raise ConfigError(f"{where}, record {i}: the chat template refuses this conversation: {err}; fix the "
                               "record or the template") from None

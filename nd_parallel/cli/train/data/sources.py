@@ -65,6 +65,11 @@ class DatasetSpec:
     "all", "last" (the last turn's) or "none"."""
     drop_system_message: bool = False
     """chat_template: drop a leading system turn."""
+    field_thinking: str = "reasoning_content"
+    """chat_template: the turn key holding its reasoning text (Axolotl's default reasoning_content); given to the
+    template under template_thinking_key, and trained with the turn's content where the template renders it."""
+    template_thinking_key: str = "reasoning_content"
+    """chat_template: the key the template reads the reasoning from (gpt-oss's reads "thinking")."""
     base_dir: str = ""
     """Directory relative paths are resolved against (the working directory, as in Axolotl); not a YAML key."""
 
@@ -134,9 +139,9 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
         if key in entry and entry.pop(key) not in (default, None):
             raise ConfigError(f"{path}: datasets[{i}].{key} is not supported by nd-parallel train; drop it (point "
                               "'path' at local files), or run the YAML with Axolotl and the nd_parallel plugin")
-    for key in entry:
-        if key not in _KEYS:
-            raise ConfigError(f"{path}: unknown key {key!r} in datasets[{i}]; {suggest(key, _KEYS)}")
+    unknown = [f"unknown key {key!r} in datasets[{i}]; {suggest(key, _KEYS)}" for key in entry if key not in _KEYS]
+    if unknown:  # all of them, one line each (the one message)
+        raise ConfigError(f"{path}: " + "\n  - ".join(unknown))
     kind = entry.get("type", "completion")
     if not isinstance(kind, str) or kind not in TYPES and TYPE_ALIASES.get(kind) is None:
         fix = ("type: chat_template with field_messages: conversations and message_property_mappings: {role: from, "
@@ -148,6 +153,9 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
         issues.append(f"datasets[{i}].ds_type={spec.ds_type!r}; use one of "
                       f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
+    for key in ("field_thinking", "template_thinking_key"):
+        if not isinstance(getattr(spec, key), str):
+            issues.append(f"datasets[{i}].{key}={getattr(spec, key)!r}; write the turn key, e.g. thinking")
     if spec.train_on_eos not in EOS_OPTIONS:
         issues.append(f"datasets[{i}].train_on_eos={spec.train_on_eos!r}; use one of {', '.join(EOS_OPTIONS)}")
     if parse_split(spec.split) is None:

@@ -77,6 +77,8 @@ FORMATS: dict[str, TurnFormat] = {
                                  "assistant": "<|CHATBOT_TOKEN|>"}),
     "deepseek_v2": TurnFormat("", "", bos=True, headers={"user": "<｜User｜>", "assistant": "<｜Assistant｜>"},
                               footers={"system": "\n\n", "assistant": "{eos}"}),
+    # Jamba 1.5: <|startoftext|> (its bos), then <|bom|><|role|> content<|eom|> per turn, a system turn always
+    "jamba": TurnFormat("<|bom|><|{role}|> ", "<|eom|>", bos=True, default_system=""),
     "mistral_v1": TurnFormat(**_MISTRAL, headers={"user": " [INST] ", "assistant": " "},
                              footers={"user": " [/INST]", "assistant": "</s>"}),
     "mistral_v2v3": TurnFormat(**_MISTRAL, headers={"user": "[INST] ", "assistant": " "},

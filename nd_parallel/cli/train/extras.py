@@ -1,0 +1,167 @@
+"""Axolotl keys with a small, local meaning that `nd-parallel train` acts on: the batch-size arithmetic, the
+cosine floor, the embedding padding, peft's extra LoRA options, the hub revision and the MoE experts kernel.
+
+``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
+its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
+and the Trainer receive; ``check_installed`` stops a run whose optimizer's package is missing before any rank
+starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nd_parallel.config import ConfigError
+
+# transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").
+EXPERTS = ("eager", "grouped_mm", "batched_mm")
+
+
+@dataclass(kw_only=True)
+class AxolotlExtras:
+    batch_size: int | None = None
+    """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
+    revision_of_model: str | None = None
+    """Hub revision of base_model, passed to from_pretrained (a local directory has one revision)."""
+    resize_token_embeddings_to_32x: bool = False
+    """Grow the embeddings to the tokenizer's length rounded up to a multiple of 32 (Axolotl's meaning)."""
+    cosine_min_lr_ratio: float | None = None
+    """lr_scheduler: cosine decays to learning_rate x this, not to 0 (transformers' cosine_with_min_lr)."""
+    peft_use_rslora: bool = False
+    """rsLoRA: scale the adapter by lora_alpha / sqrt(lora_r) instead of lora_alpha / lora_r (peft's use_rslora)."""
+    lora_fan_in_fan_out: bool = False
+    """peft's fan_in_fan_out: the adapted layers store (in, out) weights (GPT-2's Conv1D)."""
+    lora_target_parameters: list[str] | None = None
+    """Parameter tensors to adapt, by name suffix (peft's target_parameters: LoRA on MoE expert tensors)."""
+    experts_implementation: str | None = None
+    """MoE experts forward: eager, grouped_mm or batched_mm (transformers'; CUDA kernels fall back to eager)."""
+
+
+def extra_refusals(d: dict) -> list[str]:
+    """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
+    out = []
+    for key in ("resize_token_embeddings_to_32x", "peft_use_rslora", "lora_fan_in_fan_out", "bfloat16"):
+        if d.get(key) is not None and not isinstance(d[key], bool):
+            out.append(f"{key}={d[key]!r}; use true or false")
+    if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true
+        if d.get("bf16") is False:
+            out.append("bfloat16=True with bf16=False: keep one (bfloat16: true means bf16: true)")
+        d["bf16"] = True
+    out += _batch_size(d)
+    ratio = d.get("cosine_min_lr_ratio")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            out.append(f"cosine_min_lr_ratio={ratio!r}: write a number between 0 and 1 (the floor as a share of "
+                       "learning_rate)")
+        elif d.get("lr_scheduler", "cosine") != "cosine":
+            out.append(f"cosine_min_lr_ratio with lr_scheduler={d['lr_scheduler']!r}: the floor applies to the "
+                       "cosine schedule only (Axolotl ignores it otherwise); set lr_scheduler: cosine or drop it")
+    targets = d.get("lora_target_parameters")
+    if targets is not None:
+        if isinstance(targets, str):
+            d["lora_target_parameters"] = targets = [targets]
+        if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+            out.append(f"lora_target_parameters={targets!r}; write a list of parameter names, e.g. "
+                       "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
+        elif d.get("adapter") not in ("lora", "qlora"):
+            out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
+    impl = d.get("experts_implementation")
+    if impl is not None and not isinstance(impl, str):
+        out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
+    return out
+
+
+def _batch_size(d: dict) -> list[str]:
+    """Axolotl reads gradient_accumulation_steps or batch_size // micro_batch_size, but its schema fills
+    gradient_accumulation_steps: 1 first, so a batch_size that disagrees with micro_batch_size x
+    gradient_accumulation_steps changes only its step-count estimate there. Accepted where it agrees (the same
+    training), refused with the explicit setting where it does not."""
+    size = d.get("batch_size")
+    if size is None:
+        return []
+    micro, accumulation = d.get("micro_batch_size") or 1, d.get("gradient_accumulation_steps") or 1
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return [f"batch_size={size!r} must be an integer >= 1 (micro_batch_size x gradient_accumulation_steps)"]
+    if isinstance(micro, int) and isinstance(accumulation, int) and size != micro * accumulation:
+        fix = (f"set gradient_accumulation_steps: {size // micro} for that batch" if size % micro == 0 else
+               "set gradient_accumulation_steps for the batch you want")
+        return [f"batch_size={size} but micro_batch_size x gradient_accumulation_steps = {micro} x {accumulation} "
+                f"(Axolotl's default 1) = {micro * accumulation}: {fix}, and drop batch_size (their product)"]
+    return []
+
+
+def model_kwargs(t: AxolotlExtras) -> dict[str, Any]:
+    """from_pretrained's extra arguments: the hub revision, the experts forward (a CUDA kernel only on CUDA)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    if t.revision_of_model:
+        out["revision"] = t.revision_of_model
+    impl = t.experts_implementation
+    if impl in EXPERTS and (impl == "eager" or torch.cuda.is_available()):
+        out["experts_implementation"] = impl
+    return out
+
+
+def experts_note(impl: str | None) -> str | None:
+    """The one line printed for an experts_implementation the ranks do not use as written."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if impl is None or impl == "eager" or (impl in EXPERTS and cuda):
+        return None
+    why = "a CUDA kernel (no CUDA device)" if impl in EXPERTS else "a kernel of Axolotl's kernels plugin"
+    return f"experts_implementation: {impl} is {why}; the experts run transformers' eager forward, the same math"
+
+
+def lora_kwargs(t: AxolotlExtras) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if t.peft_use_rslora:
+        out["use_rslora"] = True
+    if t.lora_fan_in_fan_out:
+        out["fan_in_fan_out"] = True
+    if t.lora_target_parameters:
+        out["target_parameters"] = list(t.lora_target_parameters)
+    return out
+
+
+def embedding_rows(t: AxolotlExtras, tokenizer_len: int) -> int:
+    """Rows the input embeddings need (Axolotl's _resize_token_embeddings: grown only, never shrunk)."""
+    return math.ceil(tokenizer_len / 32) * 32 if t.resize_token_embeddings_to_32x else tokenizer_len
+
+
+def scheduler_args(t: Any) -> dict[str, Any]:
+    """TrainingArguments for the cosine floor: Axolotl's get_cosine_schedule_with_min_lr is
+    (1 - ratio) * 0.5 * (1 + cos(pi * progress)) + ratio after a linear warm-up, which is transformers'
+    cosine_with_min_lr with min_lr_rate = ratio (num_cycles 0.5)."""
+    if t.cosine_min_lr_ratio is None or t.lr_scheduler != "cosine":
+        return {}
+    return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": t.cosine_min_lr_ratio}}
+
+
+_OPTIMIZER_PACKAGES = {"adamw_torch_8bit": "torchao", "adamw_torch_4bit": "torchao", "adamw_bnb_8bit": "bitsandbytes",
+                       "paged_adamw_8bit": "bitsandbytes", "adamw_8bit": "bitsandbytes",
+                       "paged_adamw_32bit": "bitsandbytes"}
+
+
+def check_installed(optimizer: str, path) -> None:
+    """Refuse, before any rank starts, an optimizer whose package is not installed."""
+    package = _OPTIMIZER_PACKAGES.get(optimizer)
+    if package and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"{path}: optimizer={optimizer!r} is built from {package}, which is not installed: "
+                          f"pip install {package}, or use optimizer: adamw_torch")
+
+
+def check_layout(t: AxolotlExtras, layout, path) -> None:
+    """LoRA on parameter tensors is checked under data parallelism (FSDP2, DDP) and CP only: under TP, EP and PP
+    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet."""
+    split = {name: getattr(layout, name, 1) for name in ("tp_size", "ep_size", "pp_size")}
+    split = {name: size for name, size in split.items() if size > 1}
+    if t.lora_target_parameters and split:
+        sizes = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "
+                          "FSDP2 / DDP only; use dp_shard_size for this run, or adapt the linear layers only "
+                          "(lora_target_modules) under this layout")
