@@ -37,24 +37,33 @@ def quantized_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def expose_8bit_scales(model: nn.Module) -> int:
-    """Make torch's distributed state dict able to name an 8-bit Linear's extra state; returns how many.
+    """Let torch's distributed state dict save and load an 8-bit Linear's scales; returns how many Linears.
 
-    bitsandbytes' ``Linear8bitLt`` (0.50) writes ``<prefix>SCB`` and ``<prefix>weight_format`` into its state dict
-    from ``weight.SCB`` / ``state.SCB``, but has no attributes of those names, and ``get_model_state_dict`` resolves
-    every key by ``getattr`` along its dotted name (``_get_fqns``), so it fails on them. Plain attributes of those
-    names are enough: the values still come from the module's own ``_save_to_state_dict`` (and go back through its
-    ``_load_from_state_dict``), the attributes only let the names resolve."""
+    Two gaps in bitsandbytes' ``Linear8bitLt`` (0.50), each closed here for the modules of ``model``:
+    - it writes ``<prefix>SCB`` and ``<prefix>weight_format`` into its state dict from ``weight.SCB`` / ``state.SCB``
+      but has no attributes of those names, and ``get_model_state_dict`` resolves every key by ``getattr`` along its
+      dotted name (``_get_fqns``). Plain attributes of those names let the names resolve; the values still come from
+      the module's own ``_save_to_state_dict``.
+    - its first forward moves ``weight.SCB`` into ``state.SCB`` (``init_8bit_state``), after which its
+      ``_load_from_state_dict`` refuses the checkpoint's ``SCB`` ("non-quantized Linear8bitLt"). A load pre-hook
+      points ``weight.SCB`` back at that same tensor, so the load copies into it (``accelerator.load_state``)."""
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
+        weight = module._parameters.get("weight")  # its own, not a wrapper's view of it (PEFT's LoRA layer)
         scb = getattr(weight, "SCB", None)
         scb = scb if scb is not None else getattr(getattr(module, "state", None), "SCB", None)
-        if isinstance(weight, nn.Parameter) and weight.dtype == torch.int8 and scb is not None:
+        if weight is not None and weight.dtype == torch.int8 and scb is not None:
             if "SCB" not in module.__dict__:
                 object.__setattr__(module, "SCB", scb)
                 object.__setattr__(module, "weight_format", "row")
+                module._register_load_state_dict_pre_hook(_scales_back_on_weight, with_module=True)
             count += 1
     return count
+
+
+def _scales_back_on_weight(module: nn.Module, *args, **kwargs) -> None:
+    if getattr(module.weight, "SCB", None) is None and getattr(module.state, "SCB", None) is not None:
+        module.weight.SCB = module.state.SCB
 
 
 def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:
