@@ -1,5 +1,5 @@
 """QLoRA parity: a LoRA adapter on a 4-bit NF4 base (double quantization) trains under FSDP2, PP2, TP2 and CP2 exactly
-as in one process on the same quantized base; LoRA on an 8-bit (LLM.int8) base under FSDP2 and PP2 likewise; and
+as in one process on the same quantized base; LoRA on an 8-bit (LLM.int8) base under FSDP2, PP2 and CP2 likewise; and
 bitsandbytes' AdamW8bit under FSDP2 as in one process (last test, its own tolerance). One 2-rank launch.
 
 The 8-bit base on CPU: bitsandbytes (0.50) runs a Linear8bitLt in training mode as ``MatMul8bitFp``: the int8 rows
@@ -39,7 +39,8 @@ RECIPE = dict(steps=3)
 SAMPLES = dict(n=16, seq_len=32, seed=1)
 # name -> (bits, layout, data-parallel ranks)
 ROWS = {"fsdp2": (4, {"dp_shard_size": 2}, 2), "pp2": (4, {"pp_size": 2}, 1), "tp2": (4, {"tp_size": 2}, 1),
-        "cp2": (4, {"cp_size": 2}, 1), "fsdp2_8bit": (8, {"dp_shard_size": 2}, 2), "pp2_8bit": (8, {"pp_size": 2}, 1)}
+        "cp2": (4, {"cp_size": 2}, 1), "fsdp2_8bit": (8, {"dp_shard_size": 2}, 2), "pp2_8bit": (8, {"pp_size": 2}, 1),
+        "cp2_8bit": (8, {"cp_size": 2}, 1)}
 # Full fine-tuning of the unquantized model with bitsandbytes' AdamW8bit, one process vs FSDP2 (test_8bit_optimizer...)
 OPTIM_ROW = ("fsdp2_adamw8bit", {"dp_shard_size": 2}, 2, {"optim": "adamw_8bit"})
 
