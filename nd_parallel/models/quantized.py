@@ -10,7 +10,8 @@ only an adapter trains. What each layout does with them:
   (``fully_shard(ignored_params=...)``) and stay replicated, 0.5 byte per parameter (NF4) on every rank; the adapter,
   norms and embeddings are sharded as usual. A packed weight's blocks and their statistics are not a tensor FSDP2
   can cut along dim 0 and all-gather back (its statistics live beside it, in ``quant_state``);
-- 8-bit bases: refused (their scales are extra state that torch's distributed state dict cannot address);
+- 8-bit bases (LLM.int8: int8 rows, one fp32 scale per row, ``SCB``) the same way under FSDP2/HSDP, CP and PP (torch
+  backend): replicated under FSDP2 and CP, per stage under PP. Refused under TP, which has no style for them yet;
 - TP (4-bit): each quantized Linear the plan splits gets our own style (``distributed/tensor_parallel_quantized.py``):
   sharded (this rank's packed bytes and block statistics) where the blocks line up with the split, replicated
   otherwise; quantized layers the plan does not name stay whole and replicated.
@@ -35,6 +36,36 @@ def quantized_params(model: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+def expose_8bit_scales(model: nn.Module) -> int:
+    """Let torch's distributed state dict save and load an 8-bit Linear's scales; returns how many Linears.
+
+    Two gaps in bitsandbytes' ``Linear8bitLt`` (0.50), each closed here for the modules of ``model``:
+    - it writes ``<prefix>SCB`` and ``<prefix>weight_format`` into its state dict from ``weight.SCB`` / ``state.SCB``
+      but has no attributes of those names, and ``get_model_state_dict`` resolves every key by ``getattr`` along its
+      dotted name (``_get_fqns``). Plain attributes of those names let the names resolve; the values still come from
+      the module's own ``_save_to_state_dict``.
+    - its first forward moves ``weight.SCB`` into ``state.SCB`` (``init_8bit_state``), after which its
+      ``_load_from_state_dict`` refuses the checkpoint's ``SCB`` ("non-quantized Linear8bitLt"). A load pre-hook
+      points ``weight.SCB`` back at that same tensor, so the load copies into it (``accelerator.load_state``)."""
+    count = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # its own, not a wrapper's view of it (PEFT's LoRA layer)
+        scb = getattr(weight, "SCB", None)
+        scb = scb if scb is not None else getattr(getattr(module, "state", None), "SCB", None)
+        if weight is not None and weight.dtype == torch.int8 and scb is not None:
+            if "SCB" not in module.__dict__:
+                object.__setattr__(module, "SCB", scb)
+                object.__setattr__(module, "weight_format", "row")
+                module._register_load_state_dict_pre_hook(_scales_back_on_weight, with_module=True)
+            count += 1
+    return count
+
+
+def _scales_back_on_weight(module: nn.Module, *args, **kwargs) -> None:
+    if getattr(module.weight, "SCB", None) is None and getattr(module.state, "SCB", None) is not None:
+        module.weight.SCB = module.state.SCB
+
+
 def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:
     """Refuse, before any collective, the layouts a quantized base does not compose with."""
     found = quantized_params(model)
@@ -46,11 +77,11 @@ def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:
                          "get_peft_model(model, LoraConfig(...)) (YAML: adapter: qlora with load_in_4bit, or "
                          "adapter: lora with load_in_8bit), or load it unquantized for full fine-tuning")
     int8 = [p for p in found if p.dtype == torch.int8]
-    if int8:
-        raise ValueError(f"{what}, {len(int8)} of them 8-bit (LLM.int8, load_in_8bit): bitsandbytes keeps their "
-                         "scales as extra state (SCB) that torch's distributed state dict cannot address, so the "
-                         "model could train but not be saved; use a 4-bit base (QLoRA: load_in_4bit with "
-                         "adapter: qlora) or LoRA on the unquantized model")
+    if int8 and config.tp_size > 1:
+        raise ValueError(f"tp_size={config.tp_size}: {what}, {len(int8)} of them 8-bit (LLM.int8, load_in_8bit), whose "
+                         "int8 rows and per-row scales (SCB) have no tensor-parallel style; use tp_size=1 with "
+                         "dp_shard_size or pp_size for an 8-bit base, or a 4-bit base (load_in_4bit with adapter: "
+                         "qlora), which TP splits")
     if config.pp_size > 1 and config.pp_backend == "deepspeed":
         raise ValueError(f"pp_backend='deepspeed': {what}; DeepSpeed's pipeline engine casts and partitions the "
                          "weights itself; use pp_backend='torch'")

@@ -25,6 +25,7 @@ class Recipe:
     # 1e-5 parameter tolerance tests the parallel math rather than the conditioning of Adam's division.
     adam_eps: float = 1e-6
     eval_at: tuple[int, ...] = ()  # evaluate on the eval samples before these (0-based) optimizer steps
+    optim: str = "adamw_torch"  # or "adamw_8bit": bitsandbytes' AdamW8bit, same hyper-parameters (8-bit state)
 
 
 @dataclass
@@ -47,7 +48,14 @@ class RunResult:
 
 def optimizer_and_schedule(model, recipe: Recipe):
     """AdamW over every parameter (frozen ones get no state) and a linearly decaying LR."""
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
+    if recipe.optim == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
+    elif recipe.optim == "adamw_torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, eps=recipe.adam_eps)
+    else:
+        raise ValueError(f"Recipe.optim={recipe.optim!r}: use 'adamw_torch' or 'adamw_8bit'")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))
     return opt, sched
 
@@ -78,6 +86,7 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None
         sched.step()
         opt.zero_grad()
     result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    result.optimizer = opt
     return result
 
 

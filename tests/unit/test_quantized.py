@@ -50,9 +50,36 @@ def test_layouts_a_quantized_base_does_not_compose_with_are_refused(nf4, layout,
         check_quantized(nf4, ParallelismConfig(**layout), has_adapter=True)
 
 
-def test_an_8bit_base_is_refused_with_the_4bit_alternative(tiny_models):
-    with pytest.raises(ValueError, match=r"8-bit \(LLM.int8, load_in_8bit\).* use a 4-bit base \(QLoRA"):
-        check_quantized(_load(tiny_models["llama"], 8), ParallelismConfig(), has_adapter=True)
+def test_an_8bit_base_trains_under_fsdp2_and_pp_and_is_refused_under_tp_with_the_fix(tiny_models):
+    """LoRA on LLM.int8 (load_in_8bit): FSDP2 / PP / one process accepted (parity rows: test_qlora.py); TP has no
+    style for int8 rows and their scales, refused before any collective naming tp_size and the alternatives."""
+
+    int8 = _load(tiny_models["llama"], 8)
+    for layout in ({}, dict(dp_shard_size=2), dict(pp_size=2), dict(cp_size=2)):
+        check_quantized(int8, ParallelismConfig(**layout), has_adapter=True)
+    with pytest.raises(ValueError, match=r"tp_size=2: .*8-bit \(LLM.int8, load_in_8bit\).* use tp_size=1 .*load_in_4bit"):
+        check_quantized(int8, ParallelismConfig(tp_size=2), has_adapter=True)
+
+
+def test_an_8bit_base_state_dict_names_resolve_and_load_after_a_forward(tiny_models):
+    """expose_8bit_scales: torch's distributed state dict resolves every key by getattr (SCB / weight_format must
+    resolve), and after a training forward (which moves weight.SCB into state.SCB) the base still loads its
+    checkpoint, as accelerator.load_state does."""
+    from peft import LoraConfig, get_peft_model
+
+    from nd_parallel.models.quantized import expose_8bit_scales
+
+    model = get_peft_model(_load(tiny_models["llama"], 8), LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    assert expose_8bit_scales(model) == 14  # the bnb layers themselves, not PEFT's wrappers around two of them
+    keys = [k for k in model.state_dict() if k.endswith((".SCB", ".weight_format"))]
+    assert len(keys) == 28
+    for key in keys:
+        module, attr = key.rsplit(".", 1)
+        getattr(model.get_submodule(module), attr)
+    model.train()(torch.randint(0, 32, (1, 8)))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(saved)  # without the pre-hook: "Loading a quantized checkpoint into non-quantized ..."
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
 
 
 def _bnb_run(make_params, steps=3):

@@ -170,11 +170,26 @@ def test_qlora_keys_are_read(tmp_path, data):
     assert q.bnb_4bit_compute_dtype == torch.float32
 
 
+def test_load_in_8bit_with_lora_reads_into_an_int8_quantization(tmp_path, data):
+    """Axolotl's 8-bit LoRA: load_in_8bit + adapter: lora -> LLM.int8 (parity rows: tests/distributed/test_qlora.py)."""
+    path = write_yaml(tmp_path / "q8.yml", {"base_model": data["model"], "datasets": [data["text"]], "adapter": "lora",
+                                           "load_in_8bit": True, "dp_shard_size": 2})
+    cfg = load_train_config(path)
+    assert cfg.adapter == "lora" and cfg.load_in_8bit and not cfg.load_in_4bit
+    from nd_parallel.cli.train.rank import _quantization
+
+    assert _quantization(cfg)["quantization_config"].load_in_8bit
+
+
 @pytest.mark.parametrize("keys,match", [
     ({"adapter": "lora", "load_in_4bit": True}, r"load_in_4bit=True with adapter='lora': .*set adapter: qlora"),
     ({"adapter": "qlora"}, r"adapter='qlora' without load_in_4bit: true"),
     ({"load_in_4bit": True}, r"load_in_4bit=True with adapter=None"),
-    ({"adapter": "lora", "load_in_8bit": True}, r"load_in_8bit=True: 8-bit bases are not supported .*load_in_4bit"),
+    ({"adapter": "qlora", "load_in_4bit": True, "load_in_8bit": True},
+     r"load_in_8bit=True with adapter='qlora' and load_in_4bit: .*not both"),
+    ({"load_in_8bit": True}, r"load_in_8bit=True with adapter=None: .*set adapter: lora"),
+    ({"adapter": "lora", "load_in_8bit": True, "tensor_parallel_size": 2},
+     r"load_in_8bit=True with tensor_parallel_size=2: .*load_in_4bit with adapter: qlora under TP"),
     ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"bnb_4bit_quant_type": "int3"}},
      r"bnb_config_kwargs.bnb_4bit_quant_type='int3': use one of nf4, fp4"),
     ({"adapter": "qlora", "load_in_4bit": True, "bnb_config_kwargs": {"llm_int8_threshold": 6}},

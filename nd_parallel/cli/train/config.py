@@ -135,6 +135,8 @@ class TrainConfig(AxolotlExtras):
     """"lora", "qlora" (with load_in_4bit) or none (full fine-tuning)."""
     load_in_4bit: bool = False
     """Quantize the base to 4 bits as it loads (bitsandbytes NF4, double quantization; adapter: qlora)."""
+    load_in_8bit: bool = False
+    """Quantize the base to 8 bits as it loads (bitsandbytes LLM.int8; adapter: lora). Not with tensor parallelism."""
     bnb_config_kwargs: dict | None = None
     """Overrides of the 4-bit settings (keys.BNB_4BIT): quant type, double quant, compute dtype (default: bf16 with
     bf16: true, else fp32), quant storage."""
@@ -204,7 +206,7 @@ _CHECKS = {"sequence_len": (int, 2, ">="), "micro_batch_size": (int, 1, ">="), "
            "adam_beta2": (float, 0, ">="), "adam_epsilon": (float, 0, ">"), "min_sample_len": (int, 1, ">="),
            "loss_watchdog_threshold": (float, 0, ">"), "loss_watchdog_patience": (int, 1, ">=")}
 _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_checkpointing", "lora_target_linear",
-          "shuffle_merged_datasets", "fp16", "load_in_4bit")
+          "shuffle_merged_datasets", "fp16", "load_in_4bit", "load_in_8bit")
 
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:

@@ -41,9 +41,6 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {
-    "load_in_8bit": "8-bit bases are not supported (bitsandbytes keeps their scales as extra state that torch's "
-                    "distributed state dict cannot address): use load_in_4bit with adapter: qlora, or adapter: lora "
-                    "on the unquantized model",
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
@@ -226,6 +223,13 @@ def _quantization_refusals(d: dict) -> list[str]:
     elif four and adapter != "qlora":
         out.append(f"load_in_4bit=True with adapter={adapter!r}: a 4-bit base trains only through an adapter, and "
                    "Axolotl's rule names it qlora: set adapter: qlora")
+    eight, tp = bool(d.get("load_in_8bit")), d.get("tensor_parallel_size") or 1
+    if eight and (four or adapter != "lora"):
+        out.append(f"load_in_8bit=True with adapter={adapter!r}{' and load_in_4bit' if four else ''}: an 8-bit base "
+                   "trains through a LoRA adapter: set adapter: lora (or load_in_4bit with adapter: qlora, not both)")
+    if eight and isinstance(tp, int) and tp > 1:
+        out.append(f"load_in_8bit=True with tensor_parallel_size={tp}: an 8-bit base has no tensor-parallel split; "
+                   "use dp_shard_size or pipeline_parallel_size, or load_in_4bit with adapter: qlora under TP")
     kwargs = d.get("bnb_config_kwargs") or {}
     if not isinstance(kwargs, dict):
         return out + [f"bnb_config_kwargs={kwargs!r}: write a mapping, e.g. {{bnb_4bit_quant_type: nf4}}"]

@@ -43,7 +43,7 @@ def _model(t: TrainConfig, tokenizer):
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = t.attn_implementation
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
-    if t.load_in_4bit:  # quantized tensor by tensor as transformers reads the checkpoint: never the whole fp32 model
+    if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
@@ -103,6 +103,8 @@ def _quantization(t: TrainConfig) -> dict:
         if key in settings:
             settings[key] = getattr(torch, str(settings[key]).removeprefix("torch."))
     device = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    if t.load_in_8bit:  # LLM.int8 (bitsandbytes' defaults, as Axolotl's); on CPU it trains by dequantizing per row
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "device_map": device}
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
 
 
