@@ -152,6 +152,7 @@ bfloat16: true
 lr_scheduler: cosine
 cosine_min_lr_ratio: 0.1
 resize_token_embeddings_to_32x: true
+mean_resizing_embeddings: true
 adapter: lora
 peft_use_rslora: true
 lora_fan_in_fan_out: true
@@ -170,6 +171,8 @@ def test_axolotl_extras_are_acted_on(tmp_path):
 
     cfg = load_train_config(_write(tmp_path, EXTRAS), environ={})
     assert cfg.bf16 is True and cfg.batch_size == 4 and cfg.optimizer == "paged_adamw_32bit"
+    assert cfg.mean_resizing_embeddings is True  # rank.py passes it to resize_token_embeddings (Axolotl: default off)
+    assert load_train_config(_write(tmp_path, "micro_batch_size: 1\n"), environ={}).mean_resizing_embeddings is False
     assert lora_kwargs(cfg) == {"use_rslora": True, "fan_in_fan_out": True,
                                 "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
     assert model_kwargs(cfg) == {"revision": "abc123"}  # scattermoe: Axolotl's kernel, not transformers'

@@ -28,6 +28,8 @@ class AxolotlExtras:
     """Hub revision of base_model, passed to from_pretrained (a local directory has one revision)."""
     resize_token_embeddings_to_32x: bool = False
     """Grow the embeddings to the tokenizer's length rounded up to a multiple of 32 (Axolotl's meaning)."""
+    mean_resizing_embeddings: bool = False
+    """New embedding rows start from the old rows' mean (transformers' mean_resizing); Axolotl's default is off."""
     cosine_min_lr_ratio: float | None = None
     """lr_scheduler: cosine decays to learning_rate x this, not to 0 (transformers' cosine_with_min_lr)."""
     peft_use_rslora: bool = False
@@ -43,7 +45,7 @@ class AxolotlExtras:
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = []
-    for key in ("resize_token_embeddings_to_32x", "peft_use_rslora", "lora_fan_in_fan_out", "bfloat16"):
+    for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out", "bfloat16"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true

@@ -48,7 +48,8 @@ def _model(t: TrainConfig, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
     if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
-        model.resize_token_embeddings(rows)
+        # Axolotl passes mean_resizing (default False: transformers' own default, True, starts the new rows elsewhere)
+        model.resize_token_embeddings(rows, mean_resizing=t.mean_resizing_embeddings)
     if t.liger:
         _apply_liger(model, t.liger)
     if t.adapter not in ("lora", "qlora"):
