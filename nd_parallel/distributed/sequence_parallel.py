@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
 from nd_parallel.models import hf
 
@@ -68,6 +68,8 @@ class SequencePlan:
     """Modules with parameters that run on this rank's tokens (SequenceParallel: grads all-reduced over tp)."""
     rowwise: list[str] = field(default_factory=list)
     """Rowwise linears inside layers: output reduce-scattered onto the sequence."""
+    colwise: list[str] = field(default_factory=list)
+    """Colwise linears inside the regions: fed the gathered input, they leave its gradient a partial sum."""
     exit: str = ""
     """The module after which the stream is gathered back (the final norm, else the part's last layer)."""
 
@@ -99,6 +101,7 @@ def _layer_plan(part: nn.Module, fqn: str, matched: dict[str, str], plan: Sequen
                 return f"the TP region {child_fqn} has no rowwise linear, so its output is not a partial sum"
             plan.regions.append(child_fqn)
             plan.rowwise += rowwise
+            plan.colwise += [n for n in inside if matched[n] == "colwise"]
             continue
         weights = [n for n, p in child.named_parameters() if p.ndim != 1]
         if weights:
@@ -190,6 +193,95 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, full_len: int) -> torch.T
     return dt.redistribute(mesh, [Replicate()]).to_local()
 
 
+# ------------------------------------------------------------- backward: one reduce-scatter per region input
+# torch's styles give a region's input gradient back the way ColwiseParallel's input hook made it: from_local(
+# Replicate) redistributes each colwise linear's (Partial) input gradient to Replicate, one all-reduce per linear,
+# and the gather's backward then slices. Megatron sums the partial gradients of a region's colwise inputs locally
+# and reduce-scatters once. No torch style does that for an input shared by several modules, so the two Functions
+# below do: the gather hands its output to the region tagged with a _RegionCall, a colwise linear fed exactly that
+# tensor keeps its input gradient Partial, and the gather's backward reduce-scatters the sum. That is exact only if
+# every gradient reaching the gathered tensor is such a partial sum; anything else inside the region that reads it
+# (a norm, a residual, a reshape before the linear) gives a replicated gradient, and summing it over tp would count
+# it tp times. The region's forward post-hook checks that on the autograd graph (_only_colwise_uses) before any
+# backward runs and, where it fails, switches the call back to today's path (all-reduce per linear, slice).
+class _RegionCall:
+    """One forward call of one region: whether its gathered input's gradient is left partial (reduce-scattered)."""
+
+    __slots__ = ("partial", "node")
+
+    def __init__(self):
+        self.partial = True
+        self.node = None  # the gather's autograd node, until the forward check (a reference, not the tensor)
+
+
+class _GatherReduceScatter(torch.autograd.Function):
+    """Forward: this rank's [b, s/tp, ...] -> the full sequence. Backward: the summed partial gradient of the
+    region's colwise inputs reduce-scattered onto the sequence, or (call.partial False) the replicated one sliced."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, full_len, call):
+        ctx.mesh, ctx.call = mesh, call
+        return gather_sequence(x, mesh, full_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        source = Partial() if ctx.call.partial else Replicate()
+        dt = DTensor.from_local(grad.contiguous(), ctx.mesh, [source], run_check=False)
+        return dt.redistribute(ctx.mesh, [Shard(1)]).to_local(), None, None, None
+
+
+class _ReplicateKeepPartial(torch.autograd.Function):
+    """A colwise linear's input as a Replicate DTensor whose gradient stays this rank's partial sum (no all-reduce)
+    while its region call is partial; otherwise the gradient is all-reduced as ``DTensor.from_local`` would."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, call):
+        ctx.mesh, ctx.call = mesh, call
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.call.partial:
+            return grad.redistribute(ctx.mesh, [Replicate()]).to_local(), None, None
+        if grad.placements[0].is_partial():
+            return grad.to_local(), None, None
+        # A replicated gradient here (not what a Shard(0) weight gives) becomes an equal share of the sum.
+        return grad.to_local() / ctx.mesh.size(), None, None
+
+
+class RegionColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` for a linear inside an SP region: fed its region's gathered tensor, its input gradient stays
+    partial for the region's one reduce-scatter; fed anything else, it is torch's style."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        call = getattr(x, "_nd_sp_call", None)
+        if call is not None:  # the attribute lives on that tensor object only: views and copies do not carry it
+            return _ReplicateKeepPartial.apply(x, device_mesh, call)
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+
+
+def _only_colwise_uses(outputs, call: _RegionCall) -> bool:
+    """Whether every autograd path from the region's outputs back to its gathered input enters it through a colwise
+    linear's _ReplicateKeepPartial (a walk of the region's graph, stopped at those, at the gather and at leaves)."""
+    target = call.node
+    keep, gather = _ReplicateKeepPartial._backward_cls, _GatherReduceScatter._backward_cls
+    flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    stack = [t.grad_fn for t in flat if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or isinstance(node, keep):
+            continue
+        if node is target:
+            return False
+        seen.add(node)
+        if not isinstance(node, gather):  # another region's gather: what lies before it is not this region's
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return True
+
+
 def _map_hidden(module: nn.Module, args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
     """Apply ``fn`` to the hidden states a layer or region is called with: its first positional tensor, else the
     ``hidden_states`` keyword (transformers' convention for both)."""
@@ -220,7 +312,23 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
         return _map_hidden(module, args, kwargs, split)
 
     def region(module, args, kwargs):
-        return _map_hidden(module, args, kwargs, lambda x: gather_sequence(x, tp_mesh, seq.full_len))
+        def gather(x):
+            # Compiled (dynamo cannot trace the graph check) or not training: the gather whose backward slices.
+            if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+                return gather_sequence(x, tp_mesh, seq.full_len)
+            call = _RegionCall()
+            gathered = _GatherReduceScatter.apply(x, tp_mesh, seq.full_len, call)
+            gathered._nd_sp_call = call
+            call.node = gathered.grad_fn
+            module._nd_sp_call = call
+            return gathered
+        return _map_hidden(module, args, kwargs, gather)
+
+    def region_done(module, args, out):
+        call = module.__dict__.pop("_nd_sp_call", None)
+        if call is not None:
+            call.partial = _only_colwise_uses(out, call)
+            call.node = None
 
     # The entry runs after the hooks already there: a pipeline stage injects the received activation at its first
     # layer's input (pipeline/stage.py), which is what must be split. A region's gather must run before a colwise
@@ -228,6 +336,7 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
     part.get_submodule(plan.layers[0]).register_forward_pre_hook(entry, with_kwargs=True)
     for name in plan.regions:
         part.get_submodule(name).register_forward_pre_hook(region, with_kwargs=True, prepend=True)
+        part.get_submodule(name).register_forward_hook(region_done, prepend=True)
     parallelize_module(part, tp_mesh, {name: SequenceParallel(use_local_output=True) for name in plan.norms})
     gather_before_head(part.get_submodule(plan.exit), tp_mesh, seq)
     part._nd_parallel_sequence_parallel = plan  # what was applied, for tests and reports
