@@ -29,11 +29,20 @@ MoE / packed / local-parameter styles inside the layers (the experts' outputs ar
 parameters directly on a layer or weights (not 1-D norm parameters) in a child no plan entry splits, PEFT adapters
 on split modules, and post-layer modules other than norms.
 
-Communication: forward one all-gather per region input plus a reduce-scatter per rowwise output (instead of its
-all-reduce); backward the colwise inputs' gradients are all-reduced as without SP and then sliced. Megatron fuses
-that backward into one reduce-scatter by keeping the gathered input a DTensor into the colwise linears; here the
-region's forward gets a plain tensor, because region code of arbitrary families (reshapes, rotary, kernels)
-runs on it, so the volume is that of plain TP plus one all-gather per region; the memory saving is the full one.
+Communication (Megatron's): forward one all-gather per region input and a reduce-scatter per rowwise output
+(instead of its all-reduce); backward an all-gather per rowwise output's gradient and **one reduce-scatter per
+region input**: the region's colwise linears (``RegionColwiseParallel``) leave their input gradients partial sums
+over tp, summed locally, and the gather's backward reduce-scatters the sum onto the sequence. Per layer of a Llama
+(two regions, 5 colwise and 2 rowwise linears) with B = b·s·h·bytes, a ring moving (tp-1)/tp of its buffer per
+all-gather / reduce-scatter and twice that per all-reduce: plain TP moves 2·(tp-1)/tp·B per all-reduce, 2 forward
++ 5 backward = 14·(tp-1)/tp·B; SP 4 forward + 4 backward = 8·(tp-1)/tp·B (before the reduce-scatter backward it
+was 16: each colwise input's all-reduce, then a slice). That is exact only when every gradient reaching the
+gathered tensor is such a partial sum. The region's forward post-hook checks it on the autograd graph, every
+call, before any backward: a use of the gathered input by anything but a colwise linear fed that very tensor (a
+norm or a residual inside the region, a reshape or copy before a linear) gives a replicated gradient, which the
+sum would count tp times; that call then takes the old path (each colwise input gradient all-reduced, the
+gather's backward slicing). Compiled layers (``compile=True``) take the old path too: dynamo cannot trace the
+graph check. tests/distributed/test_sp_comm.py counts both paths' collectives.
 """
 
 from __future__ import annotations
@@ -44,10 +53,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from nd_parallel.models import hf
+
+from .sequence_parallel_comm import RegionColwiseParallel, gather_for_region, region_checked
+
+__all__ = ["RegionColwiseParallel", "SequencePlan", "apply_sequence_parallel", "applied", "sequence_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -193,95 +206,6 @@ def gather_sequence(x: torch.Tensor, mesh: DeviceMesh, full_len: int) -> torch.T
     return dt.redistribute(mesh, [Replicate()]).to_local()
 
 
-# ------------------------------------------------------------- backward: one reduce-scatter per region input
-# torch's styles give a region's input gradient back the way ColwiseParallel's input hook made it: from_local(
-# Replicate) redistributes each colwise linear's (Partial) input gradient to Replicate, one all-reduce per linear,
-# and the gather's backward then slices. Megatron sums the partial gradients of a region's colwise inputs locally
-# and reduce-scatters once. No torch style does that for an input shared by several modules, so the two Functions
-# below do: the gather hands its output to the region tagged with a _RegionCall, a colwise linear fed exactly that
-# tensor keeps its input gradient Partial, and the gather's backward reduce-scatters the sum. That is exact only if
-# every gradient reaching the gathered tensor is such a partial sum; anything else inside the region that reads it
-# (a norm, a residual, a reshape before the linear) gives a replicated gradient, and summing it over tp would count
-# it tp times. The region's forward post-hook checks that on the autograd graph (_only_colwise_uses) before any
-# backward runs and, where it fails, switches the call back to today's path (all-reduce per linear, slice).
-class _RegionCall:
-    """One forward call of one region: whether its gathered input's gradient is left partial (reduce-scattered)."""
-
-    __slots__ = ("partial", "node")
-
-    def __init__(self):
-        self.partial = True
-        self.node = None  # the gather's autograd node, until the forward check (a reference, not the tensor)
-
-
-class _GatherReduceScatter(torch.autograd.Function):
-    """Forward: this rank's [b, s/tp, ...] -> the full sequence. Backward: the summed partial gradient of the
-    region's colwise inputs reduce-scattered onto the sequence, or (call.partial False) the replicated one sliced."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, full_len, call):
-        ctx.mesh, ctx.call = mesh, call
-        return gather_sequence(x, mesh, full_len)
-
-    @staticmethod
-    def backward(ctx, grad):
-        source = Partial() if ctx.call.partial else Replicate()
-        dt = DTensor.from_local(grad.contiguous(), ctx.mesh, [source], run_check=False)
-        return dt.redistribute(ctx.mesh, [Shard(1)]).to_local(), None, None, None
-
-
-class _ReplicateKeepPartial(torch.autograd.Function):
-    """A colwise linear's input as a Replicate DTensor whose gradient stays this rank's partial sum (no all-reduce)
-    while its region call is partial; otherwise the gradient is all-reduced as ``DTensor.from_local`` would."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, call):
-        ctx.mesh, ctx.call = mesh, call
-        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.call.partial:
-            return grad.redistribute(ctx.mesh, [Replicate()]).to_local(), None, None
-        if grad.placements[0].is_partial():
-            return grad.to_local(), None, None
-        # A replicated gradient here (not what a Shard(0) weight gives) becomes an equal share of the sum.
-        return grad.to_local() / ctx.mesh.size(), None, None
-
-
-class RegionColwiseParallel(ColwiseParallel):
-    """``ColwiseParallel`` for a linear inside an SP region: fed its region's gathered tensor, its input gradient stays
-    partial for the region's one reduce-scatter; fed anything else, it is torch's style."""
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        x = inputs[0]
-        call = getattr(x, "_nd_sp_call", None)
-        if call is not None:  # the attribute lives on that tensor object only: views and copies do not carry it
-            return _ReplicateKeepPartial.apply(x, device_mesh, call)
-        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-
-def _only_colwise_uses(outputs, call: _RegionCall) -> bool:
-    """Whether every autograd path from the region's outputs back to its gathered input enters it through a colwise
-    linear's _ReplicateKeepPartial (a walk of the region's graph, stopped at those, at the gather and at leaves)."""
-    target = call.node
-    keep, gather = _ReplicateKeepPartial._backward_cls, _GatherReduceScatter._backward_cls
-    flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-    stack = [t.grad_fn for t in flat if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen or isinstance(node, keep):
-            continue
-        if node is target:
-            return False
-        seen.add(node)
-        if not isinstance(node, gather):  # another region's gather: what lies before it is not this region's
-            stack.extend(next_node for next_node, _ in node.next_functions)
-    return True
-
-
 def _map_hidden(module: nn.Module, args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
     """Apply ``fn`` to the hidden states a layer or region is called with: its first positional tensor, else the
     ``hidden_states`` keyword (transformers' convention for both)."""
@@ -316,19 +240,8 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
             # Compiled (dynamo cannot trace the graph check) or not training: the gather whose backward slices.
             if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
                 return gather_sequence(x, tp_mesh, seq.full_len)
-            call = _RegionCall()
-            gathered = _GatherReduceScatter.apply(x, tp_mesh, seq.full_len, call)
-            gathered._nd_sp_call = call
-            call.node = gathered.grad_fn
-            module._nd_sp_call = call
-            return gathered
+            return gather_for_region(module, x, tp_mesh, seq.full_len)
         return _map_hidden(module, args, kwargs, gather)
-
-    def region_done(module, args, out):
-        call = module.__dict__.pop("_nd_sp_call", None)
-        if call is not None:
-            call.partial = _only_colwise_uses(out, call)
-            call.node = None
 
     # The entry runs after the hooks already there: a pipeline stage injects the received activation at its first
     # layer's input (pipeline/stage.py), which is what must be split. A region's gather must run before a colwise
@@ -336,7 +249,7 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
     part.get_submodule(plan.layers[0]).register_forward_pre_hook(entry, with_kwargs=True)
     for name in plan.regions:
         part.get_submodule(name).register_forward_pre_hook(region, with_kwargs=True, prepend=True)
-        part.get_submodule(name).register_forward_hook(region_done, prepend=True)
+        part.get_submodule(name).register_forward_hook(region_checked, prepend=True)
     parallelize_module(part, tp_mesh, {name: SequenceParallel(use_local_output=True) for name in plan.norms})
     gather_before_head(part.get_submodule(plan.exit), tp_mesh, seq)
     part._nd_parallel_sequence_parallel = plan  # what was applied, for tests and reports
