@@ -14,6 +14,12 @@ instance, by a non-reentrant ``torch.utils.checkpoint.checkpoint`` of the origin
   of matmuls and attention kernels are kept, everything cheap to recompute (norms, activation functions, rotary
   embeddings, residual adds, dtype casts) is recomputed. It keeps most of the FLOPs saved and drops the many
   elementwise intermediates that dominate a gated MLP's and a norm's saved bytes.
+  Under TP a rowwise linear's output, a partial sum whose only reader is its reduction (all-reduce, or
+  reduce-scatter under sequence parallelism), is recomputed rather than kept (``_partial_sum``: backward needs
+  the matmul's inputs, never that output); the reduction's output is kept. Sequence parallelism's region gathers
+  are one custom op outside the communication namespaces (sequence_parallel_comm.py), so they are recomputed too:
+  backward re-gathers the region input from the saved shard, as Megatron's SP linears do. Selective + SP then holds
+  less than selective alone (docs/benchmarks.md), which is why "auto" keeps SP on under it.
 - ``every``: checkpoint only every k-th owned layer (k=1: all), the layer-level knob to trade memory for time.
 
 Context parallelism: the ring / Ulysses attention runs inside the recomputed region and **recomputation re-runs
