@@ -30,6 +30,9 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated, same signature) to all_gather_single
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @torch.library.custom_op("nd_parallel::sp_all_gather", mutates_args=())
 def sp_all_gather(x: torch.Tensor, group_name: str, full_len: int) -> torch.Tensor:
@@ -39,7 +42,7 @@ def sp_all_gather(x: torch.Tensor, group_name: str, full_len: int) -> torch.Tens
     chunk = -(-full_len // tp)
     padded = torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, chunk - x.shape[1])) if x.shape[1] < chunk else x
     out = x.new_empty((tp * padded.shape[0], *padded.shape[1:]))  # gloo takes the ranks stacked on dim 0 only
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    _all_gather_into(out, padded.contiguous(), group=group)
     return out.view(tp, *padded.shape).movedim(0, 1).reshape(x.shape[0], tp * chunk, *x.shape[2:])[:, :full_len].contiguous()
 
 
