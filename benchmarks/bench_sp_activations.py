@@ -12,6 +12,10 @@ the two alternate step by step inside the launch, so machine noise hits them ali
   (what its colwise linears save) stays whole, as the planner's model (planner/memory.py) says. The planner's own
   prediction of the saving (``layer_activation_bytes`` with SP on and off) is printed next to it.
 - **step time**: forward + backward + AdamW, median over the timed steps, slowest rank, SP / no SP.
+- **under activation checkpointing** (second table): the same held bytes and step time with
+  ``activation_checkpointing="selective"`` with SP and without, and ``"full"`` with SP, next to no checkpointing.
+  Selective keeps matmul and collective outputs but recomputes a rowwise linear's partial sum (its only consumer is
+  the reduce-scatter / all-reduce, whose output is kept): activation_checkpoint._partial_sum.
 
     python benchmarks/bench_sp_activations.py                      # seq 2048, tp 2 and 4
     python benchmarks/bench_sp_activations.py --quick              # smoke run (seq 256, tp 2)
@@ -29,7 +33,9 @@ from pathlib import Path
 import _common
 import torch
 
-VARIANTS = {"sp": True, "no_sp": False}
+# name -> (sequence_parallel, activation_checkpointing)
+VARIANTS = {"sp": (True, None), "no_sp": (False, None), "sp_selective": (True, "selective"),
+            "selective": (False, "selective"), "sp_full": (True, "full")}
 
 
 def worker(args) -> None:
@@ -47,10 +53,11 @@ def worker(args) -> None:
     seq = int(args.seq)
     samples = make_samples(n=4, seq_len=seq, min_len=seq)
     runs = {}
-    for variant, sp in VARIANTS.items():
+    for variant, (sp, ac) in VARIANTS.items():
         AcceleratorState._reset_state(reset_partial_state=False)
         accelerator = Accelerator()
-        plugin = NDParallelPlugin(ParallelismConfig(tp_size=dist.get_world_size(), sequence_parallel=sp))
+        plugin = NDParallelPlugin(ParallelismConfig(tp_size=dist.get_world_size(), sequence_parallel=sp,
+                                                    activation_checkpointing=ac))
         plugin.attach(accelerator)
         model = plugin.from_pretrained(args.model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -108,8 +115,20 @@ HEAD = ["seq", "tp", "held no SP (MiB)", "held SP (MiB)", "SP / no SP", "saved (
         "formula (1-1/tp) (MiB)", "planner (MiB)", "saved / formula", "time SP / no SP"]
 
 
+AC_HEAD = ["seq", "tp", "none, no SP (MiB)", "none, SP (MiB)", "selective, no SP (MiB)", "selective, SP (MiB)",
+           "full, SP (MiB)", "selective SP / selective", "selective SP / none SP", "time selective SP / selective",
+           "time selective SP / none SP"]
+
+
+def ac_row(seq: int, tp: int, res: dict) -> list:
+    held, t, mb = res["held"], res["time"], _common.MB
+    return [seq, tp, *(f"{held[v] / mb:.2f}" for v in ("no_sp", "sp", "selective", "sp_selective", "sp_full")),
+            f"{held['sp_selective'] / held['selective']:.2f}", f"{held['sp_selective'] / held['sp']:.2f}",
+            f"{t['sp_selective'] / t['selective']:.2f}x", f"{t['sp_selective'] / t['sp']:.2f}x"]
+
+
 def parent(args, argv) -> None:
-    rows, raw = [], []
+    rows, ac_rows, raw = [], [], []
     mb = _common.MB
     with tempfile.TemporaryDirectory() as tmp:
         seqs = [int(s) for s in args.seqs.split(",")]
@@ -127,9 +146,12 @@ def parent(args, argv) -> None:
                              f"{norms / mb:.1f}", f"{saving / mb:.1f}",
                              f"{planner_saving(args, model, seq, tp) / mb:.1f}", f"{(off - on) / saving:.2f}",
                              f"{res['time']['sp'] / res['time']['no_sp']:.2f}x"])
+                ac_rows.append(ac_row(seq, tp, res))
                 raw.append((seq, tp, res))
     _common.print_report(f"llama hidden {args.hidden}, {args.heads} heads, {args.layers} layers, vocab {args.vocab}, "
                          "fp32, one sample, chunked loss", HEAD, rows, raw)
+    _common.print_report("the same, under activation checkpointing (held bytes per rank, step time)", AC_HEAD, ac_rows,
+                         [])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ instance, by a non-reentrant ``torch.utils.checkpoint.checkpoint`` of the origin
   of matmuls and attention kernels are kept, everything cheap to recompute (norms, activation functions, rotary
   embeddings, residual adds, dtype casts) is recomputed. It keeps most of the FLOPs saved and drops the many
   elementwise intermediates that dominate a gated MLP's and a norm's saved bytes.
+  Under TP a rowwise linear's output, a partial sum whose only reader is its reduction (all-reduce, or
+  reduce-scatter under sequence parallelism), is recomputed rather than kept (``_partial_sum``: backward needs
+  the matmul's inputs, never that output); the reduction's output is kept. Sequence parallelism's region gathers
+  are one custom op outside the communication namespaces (sequence_parallel_comm.py), so they are recomputed too:
+  backward re-gathers the region input from the saved shard, as Megatron's SP linears do. Selective + SP then holds
+  less than selective alone (docs/benchmarks.md), which is why "auto" keeps SP on under it.
 - ``every``: checkpoint only every k-th owned layer (k=1: all), the layer-level knob to trade memory for time.
 
 Context parallelism: the ring / Ulysses attention runs inside the recomputed region and **recomputation re-runs
@@ -31,6 +37,7 @@ import logging
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nd_parallel.config import check_activation_checkpointing
@@ -62,8 +69,22 @@ def _is_communication(func) -> bool:
     return namespace in ("_c10d_functional", "c10d_functional", "_dtensor", "c10d")
 
 
+# Matmuls seen with DTensor operands (the policy runs above DTensor's dispatch) and where their left operand is.
+_MATMULS = {_aten.mm.default: 0, _aten.bmm.default: 0, _aten.addmm.default: 1, _aten.baddbmm.default: 1}
+
+
+def _partial_sum(func, args) -> bool:
+    """Whether a matmul's output is a partial sum over tensor-parallel ranks: its contraction dim is sharded (a
+    rowwise linear). Its only consumer is the reduction (reduce-scatter under SP, all-reduce without), whose own
+    output is saved, and backward needs the matmul's inputs, never its output: keeping it would hold a
+    full-sequence tensor per rowwise linear for nothing (under SP more than the stream SP splits)."""
+    at = _MATMULS.get(func)
+    x = args[at] if at is not None and len(args) > at else None
+    return isinstance(x, DTensor) and any(p.is_shard(x.ndim - 1) for p in x.placements)
+
+
 def _policy(ctx, func, *args, **kwargs):
-    if func in _SAVE or _is_communication(func):
+    if _is_communication(func) or (func in _SAVE and not _partial_sum(func, args)):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

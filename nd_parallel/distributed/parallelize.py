@@ -118,18 +118,6 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
         memory.check_tiled_mlp(model)
 
 
-def _sequence_parallel(config: ParallelismConfig, activation_checkpointing: str | None) -> bool | str:
-    """"auto" stays off under selective checkpointing: its policy keeps every collective's output and every matmul's,
-    and with SP's all-gathers and the rowwise matmuls' full-sequence partial sums a TP2 layer then held more bytes
-    than without checkpointing (test_train_modes.py's held-bytes rows), which SP is there to shrink. An explicit
-    True is honoured."""
-    if config.sequence_parallel == "auto" and activation_checkpointing == "selective":
-        logger.info("sequence parallelism off: selective activation checkpointing keeps the collectives' outputs, "
-                    "which held more than SP saves; use activation_checkpointing='full' to combine them")
-        return False
-    return config.sequence_parallel
-
-
 def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: str | None = None,
                      mp_policy: MixedPrecisionPolicy | None = None, config: ParallelismConfig | None = None) -> nn.Module:
     """Step 7 on one model part, in place: TP -> EP -> compile -> activation checkpointing -> memory options ->
@@ -142,7 +130,7 @@ def parallelize_part(part: nn.Module, mesh: ParallelMesh | None, *, activation_c
     config = config if config is not None else (mesh.config if mesh is not None else None)
     if config is not None and config.tp_size > 1:
         apply_tp(part, mesh["tp"], plan_overrides=tensor_parallel.plan_overrides(part, config),
-                 sequence_parallel=_sequence_parallel(config, activation_checkpointing))
+                 sequence_parallel=config.sequence_parallel)
     experts = expert_parallel.apply_ep(part, mesh["ep"]) if config is not None and config.ep_size > 1 else []
     if config is not None and config.compile:
         apply_compile(part, config.compile_backend)

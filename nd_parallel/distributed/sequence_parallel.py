@@ -29,11 +29,20 @@ MoE / packed / local-parameter styles inside the layers (the experts' outputs ar
 parameters directly on a layer or weights (not 1-D norm parameters) in a child no plan entry splits, PEFT adapters
 on split modules, and post-layer modules other than norms.
 
-Communication: forward one all-gather per region input plus a reduce-scatter per rowwise output (instead of its
-all-reduce); backward the colwise inputs' gradients are all-reduced as without SP and then sliced. Megatron fuses
-that backward into one reduce-scatter by keeping the gathered input a DTensor into the colwise linears; here the
-region's forward gets a plain tensor, because region code of arbitrary families (reshapes, rotary, kernels)
-runs on it, so the volume is that of plain TP plus one all-gather per region; the memory saving is the full one.
+Communication (Megatron's): forward one all-gather per region input and a reduce-scatter per rowwise output
+(instead of its all-reduce); backward an all-gather per rowwise output's gradient and **one reduce-scatter per
+region input**: the region's colwise linears (``RegionColwiseParallel``) leave their input gradients partial sums
+over tp, summed locally, and the gather's backward reduce-scatters the sum onto the sequence. Per layer of a Llama
+(two regions, 5 colwise and 2 rowwise linears) with B = b·s·h·bytes, a ring moving (tp-1)/tp of its buffer per
+all-gather / reduce-scatter and twice that per all-reduce: plain TP moves 2·(tp-1)/tp·B per all-reduce, 2 forward
++ 5 backward = 14·(tp-1)/tp·B; SP 4 forward + 4 backward = 8·(tp-1)/tp·B (before the reduce-scatter backward it
+was 16: each colwise input's all-reduce, then a slice). That is exact only when every gradient reaching the
+gathered tensor is such a partial sum. The region's forward post-hook checks it on the autograd graph, every
+call, before any backward: a use of the gathered input by anything but a colwise linear fed that very tensor (a
+norm or a residual inside the region, a reshape or copy before a linear) gives a replicated gradient, which the
+sum would count tp times; that call then takes the old path (each colwise input gradient all-reduced, the
+gather's backward slicing). Compiled layers (``compile=True``) take the old path too: dynamo cannot trace the
+graph check. tests/distributed/test_sp_comm.py counts both paths' collectives.
 """
 
 from __future__ import annotations
@@ -48,6 +57,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 from nd_parallel.models import hf
+
+from .sequence_parallel_comm import RegionColwiseParallel, gather_for_region, region_checked
+
+__all__ = ["RegionColwiseParallel", "SequencePlan", "apply_sequence_parallel", "applied", "sequence_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +81,8 @@ class SequencePlan:
     """Modules with parameters that run on this rank's tokens (SequenceParallel: grads all-reduced over tp)."""
     rowwise: list[str] = field(default_factory=list)
     """Rowwise linears inside layers: output reduce-scattered onto the sequence."""
+    colwise: list[str] = field(default_factory=list)
+    """Colwise linears inside the regions: fed the gathered input, they leave its gradient a partial sum."""
     exit: str = ""
     """The module after which the stream is gathered back (the final norm, else the part's last layer)."""
 
@@ -99,6 +114,7 @@ def _layer_plan(part: nn.Module, fqn: str, matched: dict[str, str], plan: Sequen
                 return f"the TP region {child_fqn} has no rowwise linear, so its output is not a partial sum"
             plan.regions.append(child_fqn)
             plan.rowwise += rowwise
+            plan.colwise += [n for n in inside if matched[n] == "colwise"]
             continue
         weights = [n for n, p in child.named_parameters() if p.ndim != 1]
         if weights:
@@ -220,7 +236,12 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
         return _map_hidden(module, args, kwargs, split)
 
     def region(module, args, kwargs):
-        return _map_hidden(module, args, kwargs, lambda x: gather_sequence(x, tp_mesh, seq.full_len))
+        def gather(x):
+            # Compiled (dynamo cannot trace the graph check) or not training: the gather whose backward slices.
+            if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and x.requires_grad):
+                return gather_sequence(x, tp_mesh, seq.full_len)
+            return gather_for_region(module, x, tp_mesh, seq.full_len)
+        return _map_hidden(module, args, kwargs, gather)
 
     # The entry runs after the hooks already there: a pipeline stage injects the received activation at its first
     # layer's input (pipeline/stage.py), which is what must be split. A region's gather must run before a colwise
@@ -228,6 +249,7 @@ def apply_sequence_parallel(part: nn.Module, tp_mesh: DeviceMesh, plan: Sequence
     part.get_submodule(plan.layers[0]).register_forward_pre_hook(entry, with_kwargs=True)
     for name in plan.regions:
         part.get_submodule(name).register_forward_pre_hook(region, with_kwargs=True, prepend=True)
+        part.get_submodule(name).register_forward_hook(region_checked, prepend=True)
     parallelize_module(part, tp_mesh, {name: SequenceParallel(use_local_output=True) for name in plan.norms})
     gather_before_head(part.get_submodule(plan.exit), tp_mesh, seq)
     part._nd_parallel_sequence_parallel = plan  # what was applied, for tests and reports

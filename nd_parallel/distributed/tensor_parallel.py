@@ -370,6 +370,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
     styles = _styles(model, matched, head_input)
     for name in seq_plan.rowwise if seq_plan else ():  # reduce-scatter onto the sequence instead of all-reduce
         styles[name] = RowwiseParallel(output_layouts=Shard(1))
+    for name in seq_plan.colwise if seq_plan else ():  # input gradient left partial for the region's reduce-scatter
+        styles[name] = sp.RegionColwiseParallel()
     emb, head = hf.embedding_and_head(model)
     tied = hf.shares_embedding(model)
     with KeepRequiresGrad(model):

@@ -57,9 +57,9 @@ BF16_LAYOUTS = {
 }
 AC_LAYOUTS = {
     "one": (1, {}), "fsdp2": (2, dict(dp_shard_size=2)), "pp2": (2, dict(pp_size=2)),
-    # the modes compared on one layout: "auto" turns sequence parallelism off under selective checkpointing
-    # (parallelize._sequence_parallel), so tp2 holds it off in every mode
-    "tp2": (2, dict(tp_size=2, sequence_parallel=False)),
+    # sequence parallelism on ("auto") in every mode: selective recomputes the region gathers and the rowwise
+    # partial sums (activation_checkpoint._partial_sum, sequence_parallel_comm.sp_all_gather)
+    "tp2": (2, dict(tp_size=2)),
     "cp2": (2, dict(cp_size=2)), "ulysses2": (2, dict(cp_size=2, cp_backend="ulysses")),
     "cp2_pp2": (4, dict(cp_size=2, pp_size=2)),
 }
