@@ -132,3 +132,10 @@ def test_moe_layer_terms_match_what_a_measured_forward_saves(family, experts):
     # Left out by the planner: the experts' offsets (num_experts int32 per layer, not per token) and Mixtral's
     # renormalised top-k weights (k + 1 fp32 per token): at most 16 bytes per token of 10344.
     assert abs(sum(saved.values()) / 512 - per_token) <= 16, (sum(saved.values()) / 512, per_token)
+
+
+def test_ops_are_counted_for_a_model_without_sdpa(recwarn):
+    """gpt-oss's attention sinks have no SDPA path: its ops are counted with eager attention, not left out."""
+    spec = spec_of("gpt_oss", num_local_experts=8, num_experts_per_tok=2)
+    assert not [w for w in recwarn if "cannot count" in str(w.message)]
+    assert spec.ops.layer_fwd > 0 and spec.num_experts == 8
