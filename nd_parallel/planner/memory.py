@@ -24,6 +24,13 @@ is added to it (two fp32 copies of this rank's head at that moment). Under TP wi
 chunked loss is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
 (``vocab_share``); HF's unchunked loss gathers the logits, so without chunking they stay whole.
 
+Mixture-of-experts layers (checked against a real block's saved tensors in tests/unit/test_planner_moe.py, and
+against 4-rank runs under FSDP, TP and EP in benchmarks/bench_planner_moe.py): per token the top-k routed rows in and
+out, the experts' 4 x top-k x width, the router's softmax and index vectors. Under expert parallelism the same, for
+a balanced router (each rank's experts receive top-k x its own tokens' rows; an unbalanced one puts up to
+min(ep, experts / top-k) times that on one rank, which is not added); the all-to-all buffers live only while a MoE
+layer runs, so they are counted in the backward-recompute moment, not at the loss.
+
 The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
 the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
 step's temporary). The reported breakdown is the one at that moment, so it sums to the peak.
