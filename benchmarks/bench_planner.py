@@ -251,7 +251,7 @@ def _layout(name: str, args):
     lay = Layout(**sizes)
     per_rank = args.global_batch // lay.dp
     m = kwargs.get("pp_microbatches", 1)
-    return Layout(**sizes, micro_batch=per_rank // m, microbatches=m,
+    return Layout(**sizes, micro_batch=per_rank // m, microbatches=m, ep=kwargs.get("ep_size", 1),
                   schedule=kwargs.get("pp_schedule", "1f1b") if lay.pp > 1 else None,
                   checkpointing=kwargs.get("activation_checkpointing") or "none"), extra
 

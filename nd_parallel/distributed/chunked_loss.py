@@ -44,6 +44,16 @@ logger = logging.getLogger(__name__)
 _LOSS_KWARGS = ("labels", "num_items_in_batch", "shift_labels", "ignore_index")
 
 
+class _StubOutput(BaseModelOutputWithPast):
+    """The stub's output: the hidden states, and None for any other field a family's forward reads from its own
+    output class (MoE forwards read ``outputs.router_logits`` even when they do not compute the router loss)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return None
+
+
 class _Stub(nn.Module):
     """Stands in for the decoder while the head runs: returns the given hidden states as the last hidden state."""
 
@@ -52,7 +62,7 @@ class _Stub(nn.Module):
         self.hidden = hidden
 
     def forward(self, *args, **kwargs):
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return _StubOutput(last_hidden_state=self.hidden)
 
 
 class _HeadProbe:

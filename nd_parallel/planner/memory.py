@@ -24,6 +24,13 @@ is added to it (two fp32 copies of this rank's head at that moment). Under TP wi
 chunked loss is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
 (``vocab_share``); HF's unchunked loss gathers the logits, so without chunking they stay whole.
 
+Mixture-of-experts layers (checked against a real block's saved tensors in tests/unit/test_planner_moe.py, and
+against 4-rank runs under FSDP, TP and EP in benchmarks/bench_planner_moe.py): per token the top-k routed rows in and
+out, the experts' 4 x top-k x width, the router's softmax and index vectors. Under expert parallelism the same, for
+a balanced router (each rank's experts receive top-k x its own tokens' rows; an unbalanced one puts up to
+min(ep, experts / top-k) times that on one rank, which is not added); the all-to-all buffers live only while a MoE
+layer runs, so they are counted in the backward-recompute moment, not at the loss.
+
 The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
 the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
 step's temporary). The reported breakdown is the one at that moment, so it sums to the peak.
@@ -80,6 +87,18 @@ def routed_bytes_per_token(spec: ModelSpec, train: Training) -> float:
     return 2 * train.compute_bytes * spec.experts_per_token * spec.hidden * share
 
 
+def router_bytes_per_token(spec: ModelSpec, train: Training) -> float:
+    """A MoE layer's routing bookkeeping per token, averaged over the layers (measured on transformers' grouped_mm
+    experts, with and without expert parallelism): the router's fp32 softmax (num_experts wide), about four int64
+    index vectors of top-k (the choice, the sorted rows' gather, the sort and its inverse) and the sorted routing
+    weights. Small next to the routed rows, but the one term that grows with the expert count."""
+    if not spec.num_experts:
+        return 0.0
+    share = spec.moe_layers / max(spec.num_layers, 1)
+    k = spec.experts_per_token
+    return (FP32 * spec.num_experts + 4 * 8 * k + train.compute_bytes * k) * share
+
+
 def sequence_split(spec: ModelSpec, train: Training, tp: int) -> int:
     """How many ways the stream between TP regions is split: tp under sequence parallelism (dense models), else 1."""
     return tp if train.sequence_parallel and not spec.num_experts else 1
@@ -103,14 +122,15 @@ def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str,
     if spec.qk_norm:
         norms += norm * (q + kv)
     attention = b * (q + 2 * kv + q) + FP32 * spec.heads / tp  # q, k, v, out (o_proj's input shares it), lse
-    full_layer = norms + attention + b * mlp_tensors * f + routed_bytes_per_token(spec, train)
+    moe = routed_bytes_per_token(spec, train) + router_bytes_per_token(spec, train)
+    full_layer = norms + attention + b * mlp_tensors * f + moe
     if mode == "none":
         return full_layer, 0.0
     if mode == "full":
         return b * h / sp, full_layer
     # selective: layer input, q/k/v, attention out + lse, o_proj out, the MLP's up-projections, down out
     saved = (b * h / sp + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h / sp + b * f * (mlp_tensors // 2)
-             + b * h / sp + routed_bytes_per_token(spec, train))
+             + b * h / sp + moe)
     return saved, max(full_layer - saved, 0.0)
 
 
@@ -233,15 +253,16 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     # layout has them: fully_shard runs even over one rank, to cast the fp32 weights (precision.py).
     if layout.fsdp or train.dtype == "bf16":
         comm += b * unsharded_layer(spec, layout) * (2 if cluster.device == "cuda" else 1) + b * outer
-    if layout.ep > 1:  # one MoE layer's all-to-all send and receive buffers (top-k rows per token, balanced)
-        comm += 2 * b * tokens * spec.experts_per_token * spec.hidden
+    # One MoE layer's all-to-all send and receive buffers (top-k rows per token, balanced) live only while that
+    # layer runs: not at the loss, where backward starts (measured, bench_planner_moe.py), but in its backward.
+    a2a = 2 * b * tokens * spec.experts_per_token * spec.hidden if layout.ep > 1 else 0.0
     if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
         comm += 4 * b * tokens * spec.kv_dim / layout.tp
     grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0
     states = {"params": params, "grads": grads_at_peak, "optimizer": optimizer}
     start = {**states, "activations": activations, "logits": logits, "pipeline_inflight": pipeline,
              "comm_buffers": comm, "recompute": 0.0}
-    mid = {**start, "logits": held_logits, "recompute": tokens * recompute}
+    mid = {**start, "logits": held_logits, "recompute": tokens * recompute, "comm_buffers": comm + a2a}
     largest = spec.largest_param / (layout.tp * shard) if cluster.device == "cpu" else trainable
     step = {**states, "grads": grads, "optimizer_step": FP32 * largest}
     phases = {"backward start": start, "backward recompute": mid, "optimizer step": step}

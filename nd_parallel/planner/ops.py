@@ -86,13 +86,22 @@ def _fwd_bwd(model: nn.Module, inputs: dict) -> tuple[int, int]:
     return fwd.n, bwd.n
 
 
+def _supports_sdpa(config) -> bool:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return getattr(AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", True)
+    except KeyError:
+        return True
+
+
 def _with_layers(config, n: int):
     cfg = copy.deepcopy(config)
     text = text_config(cfg)
     text.num_hidden_layers = n
     if isinstance(getattr(text, "layer_types", None), list):  # per-layer attention kinds: keep the first n
         text.layer_types = text.layer_types[:n]
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = "sdpa" if _supports_sdpa(cfg) else "eager"  # gpt-oss (attention sinks): eager only
     # Stacked experts (MoE): the default grouped-mm kernel takes bf16 only, and the eager loop over the experts hit is
     # data dependent (nonzero), which meta cannot run; the batched kernel runs every token's top-k experts as one
     # gather + bmm, on meta. The counts are per-op overhead only: close enough for the grouped kernel too.

@@ -18,13 +18,17 @@ from nd_parallel.config import ConfigError, ConfigTypeError
 from nd_parallel.distributed.chunked_loss import ChunkedLoss
 from nd_parallel.testing.models import tiny_config
 
-# tied head (llama), soft-capped (gemma2), divided (granite), multiplied (cohere), untied (qwen3)
+# tied head (llama), soft-capped (gemma2), divided (granite), multiplied (cohere), untied (qwen3), MoE
 HEADS = {
     "llama": {},
     "gemma2": dict(final_logit_softcapping=5.0),
     "granite": dict(logits_scaling=3.0),
     "cohere": dict(logit_scale=0.5),
     "qwen3": {},
+    # MoE: their forwards read the decoder's router logits (the head probe's stub must answer), mixtral with the
+    # router's load-balancing loss on
+    "qwen3_moe": {},
+    "mixtral": dict(output_router_logits=True),
 }
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from nd_parallel.planner import model_spec
 from nd_parallel.planner.meta import meta_model
 from nd_parallel.testing.models import tiny_config
@@ -89,3 +92,50 @@ def test_expert_parallel_in_memory_time_and_search():
     assert pinned.plans and all(p.layout.ep == 4 and p.layout.sizes()["ep_size"] == 4 for p in pinned.plans)
     dense = search(spec_of(), train, cluster)
     assert all(p.layout.ep == 1 and "ep_size" not in p.layout.sizes() for p in dense.plans)
+
+
+
+@pytest.mark.parametrize("family, experts", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts")])
+def test_moe_layer_terms_match_what_a_measured_forward_saves(family, experts):
+    """One process: what a MoE block (router + transformers' default grouped_mm experts) saves for backward, counted
+    with autograd's saved-tensor hooks (parameters and the block's input, counted elsewhere, left out), equals the
+    planner's MoE terms per token: the routed rows in and out (2 x top-k x h), the experts' 4 x top-k x width, the
+    router's softmax and index vectors (measured 10344 bytes per token for Qwen3-MoE at h 128, width 256, 8 experts, top 2).
+    The multi-rank rows (FSDP, EP, TP x EP) are in benchmarks/bench_planner_moe.py."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.planner.layout import Training
+    from nd_parallel.planner.memory import routed_bytes_per_token, router_bytes_per_token
+
+    shape = {"hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, experts: 8, "num_experts_per_tok": 2, "intermediate_size": 256, "vocab_size": 256}
+    if family == "qwen3_moe":
+        shape["moe_intermediate_size"] = 256
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **shape))
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 256, 128, requires_grad=True)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    spec, train = spec_of(family, **shape), Training(seq_len=256, global_batch=2, dtype="fp32")
+    per_token = (routed_bytes_per_token(spec, train) + router_bytes_per_token(spec, train)
+                 + train.compute_bytes * 4 * spec.expert_ffn)  # gate_up out (2 x width), act(gate), act x up
+    assert spec.expert_ffn == 2 * 256 and per_token == 10344
+    # Left out by the planner: the experts' offsets (num_experts int32 per layer, not per token) and Mixtral's
+    # renormalised top-k weights (k + 1 fp32 per token): at most 16 bytes per token of 10344.
+    assert abs(sum(saved.values()) / 512 - per_token) <= 16, (sum(saved.values()) / 512, per_token)
+
+
+def test_ops_are_counted_for_a_model_without_sdpa(recwarn):
+    """gpt-oss's attention sinks have no SDPA path: its ops are counted with eager attention, not left out."""
+    spec = spec_of("gpt_oss", num_local_experts=8, num_experts_per_tok=2)
+    assert not [w for w in recwarn if "cannot count" in str(w.message)]
+    assert spec.ops.layer_fwd > 0 and spec.num_experts == 8
