@@ -90,6 +90,27 @@ class _HeadProbe:
             modules[self.slot] = decoder
 
 
+def _unlabelled_gradients(head: Callable, flat: torch.Tensor, params: tuple) -> list[torch.Tensor | None]:
+    """The head's gradients where no token has a label (padding only; the tail of a dataset): zeros for every
+    parameter the head uses, None for the others.
+
+    The model's own loss builds the logits whatever the labels, so autograd gives the head's weight a zero
+    gradient there; skipping every chunk would give it none. Under FSDP that is a different set of gradients on
+    this rank than on its peers, and the root group's reduce-scatter then differs in size between ranks (a gloo
+    "mismatch between collectives", a hang or wrong sums on NCCL). Which parameters the head uses is found by
+    running it, as the chunks do, on one token whose label is ignored (loss 0, gradients exactly 0)."""
+    if flat.shape[0] == 0:
+        return [None] * len(params)
+    ignored = torch.full((1,), IGNORE_INDEX, dtype=torch.long, device=flat.device)
+    with torch.enable_grad():
+        logits = head(flat[:1].detach().unsqueeze(0))
+        with loss_context(logits):
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ignored,
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    return [None if g is None else torch.zeros_like(g, dtype=torch.float32) for g in grads]
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward: sum of the chunks' cross-entropies / denominator, with the gradients computed chunk by chunk.
     Backward: those gradients times the incoming gradient. ``params`` are the head's trainable tensors (as the
@@ -123,6 +144,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                         grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
                 total += local_value(loss.detach())
                 del logits, loss
+        if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
+            grad_params = _unlabelled_gradients(head, flat, params)
         ctx.denom = denom
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.save_for_backward(grad_hidden.view_as(hidden), *[g for g in grad_params if g is not None])

@@ -73,6 +73,25 @@ def test_chunked_equals_unchunked_over_adamw_steps(family):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # tied and untied head
+def test_a_batch_without_labels_gives_the_same_gradients_as_the_models_own_loss(family):
+    # A data-parallel rank whose micro-batch is padding only (the tail of a dataset) still has a gradient for the
+    # head: zeros, as HF's loss gives. Without it FSDP's root reduce-scatter differs in size between ranks
+    # (issue 21: a gloo collective mismatch in benchmarks/bench_compile.py, whose second rank had no label).
+    ref, mine = _pair(family, chunk=7)
+    ids, _ = _batch()
+    labels = torch.full_like(ids, -100)
+    given = {"num_items_in_batch": torch.tensor(40)}  # the global token count: other ranks have the labels
+    a, b = ref(input_ids=ids, labels=labels, **given), mine(input_ids=ids, labels=labels, **given)
+    torch.testing.assert_close(b.loss, a.loss, rtol=0, atol=0)  # 0 / 40
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), mine.parameters()):
+        assert (q.grad is None) == (p.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=lambda m: f"{family} {name}: {m}")
+
+
 def test_the_forward_keeps_its_signature():
     import inspect
 
