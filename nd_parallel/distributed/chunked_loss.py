@@ -19,6 +19,11 @@ family writes is applied by the family's own code, and the first chunked call ch
 the real forward produced for the last position; a model whose head the probe does not reproduce falls back to
 its own loss (one info line).
 
+Most heads are one linear map: the first chunked call also checks that (linear_loss.py), and those heads take a
+fast path written in torch ops that keeps one chunk's fp32 buffer and one fp32 head gradient instead of autograd's
+per-chunk buffers and a second copy of the head's gradient. The generic path stays for every other head and for the
+vocabulary-parallel one under TP. Either way backward scales the kept gradients in place and hands them to autograd.
+
 Semantics are transformers' ``ForCausalLMLoss``: labels shifted left by one (or ``shift_labels`` as given, as
 context parallelism does), ``ignore_index`` -100, the sum divided by ``num_items_in_batch`` when given (the
 global token count ``loss.GlobalTokenLoss`` passes) and the mean over the label tokens otherwise.
@@ -211,6 +216,7 @@ class ChunkedHead:
     def __init__(self, model: nn.Module, forward: Callable, chunk: int):
         self.model, self.forward, self.chunk = model, forward, chunk
         self.linear: LinearHead | None = None
+        self.fast_linear = type(self).fast_linear  # as it was when the model was prepared
         self.slot = decoder_slot(model)
         self.enabled = self.slot is not None and "logits_to_keep" in inspect.signature(forward).parameters
         self.checked = not self.enabled

@@ -140,3 +140,31 @@ def test_a_lora_adapter_on_the_head_keeps_the_generic_path():
     for (name, p), q in zip(peft_ref.named_parameters(), model.parameters()):
         if p.requires_grad:
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_planners_loss_term_follows_the_path():
+    """planner/memory.py: the fast path's one chunk buffer and one head gradient (fp32; bf16 with the bf16 chunk
+    logits and the chunk's bf16 head product beside them); a soft-capped or scaled head keeps the probe's term (the
+    chunk's four fp32 buffers, the head's gradient twice). The fp32 fast-path term is checked against a measured step
+    in tests/unit/test_planner.py."""
+    from dataclasses import replace
+
+    from nd_parallel.planner import Cluster, Layout, Training, model_spec, peak_memory
+    from nd_parallel.planner.meta import meta_model
+    from nd_parallel.planner.spec import _linear_head
+
+    def term(spec, dtype):
+        train = Training(seq_len=512, global_batch=2, dtype=dtype, loss_chunk=128)
+        return peak_memory(spec, train, Layout(1, 1, 1, 1, 1, micro_batch=2), Cluster(1, 8, 10**15)).parts["logits"]
+
+    sizes = dict(hidden_size=256, vocab_size=4096, tie_word_embeddings=False)
+    llama = model_spec(meta_model(tiny_config("llama", **sizes)))
+    tokens, h, v = 1024, 256, 4096
+    assert llama.linear_head
+    assert term(llama, "fp32") == 4 * 128 * v + 4 * tokens * h + 4 * v * h
+    assert term(llama, "bf16") == 6 * 128 * v + 2 * tokens * h + 6 * v * h
+    assert term(replace(llama, linear_head=False), "fp32") == 16 * 128 * v + 4 * tokens * h + 2 * 4 * v * h
+    for family, overrides in [("gemma2", dict(final_logit_softcapping=5.0)), ("granite", dict(logits_scaling=3.0)),
+                              ("cohere", dict(logit_scale=0.5))]:
+        model = meta_model(tiny_config(family, **overrides))
+        assert not _linear_head(model.get_output_embeddings(), model.config), family  # what model_spec reads
