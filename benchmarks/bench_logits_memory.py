@@ -1,9 +1,12 @@
 """The loss without the full logits: peak memory per rank and step time, chunked loss vs transformers' loss.
 
 For each layout (one process, FSDP2, TP2, PP2, CP2 on 2 ranks) one launch prepares the same Llama-shaped model
-twice (default vocab 128k, hidden 256, 2 layers, fp32, one sample per data-parallel rank): once with the chunked
-loss (``loss_chunk_size``, default 256 tokens) and once with HF's loss on the full logits (``loss_chunk_size=0``).
-The two alternate step by step inside the launch, so machine noise hits them alike.
+three times (default vocab 128k, hidden 256, 2 layers, fp32, one sample per data-parallel rank): with the chunked
+loss (``loss_chunk_size``, default 256 tokens) as it runs, on its linear fast path where the head is one linear map
+(distributed/linear_loss.py; TP2's vocabulary-parallel head keeps the generic path); with the chunked loss forced
+onto its generic path (``ChunkedHead.fast_linear = False``: the model's own head per chunk, autograd per chunk);
+and with HF's loss on the full logits (``loss_chunk_size=0``). They alternate step by step inside the launch, so
+machine noise hits them alike.
 
 - **peak**: peak live tensor bytes during forward + backward of one step minus what was alive before it
   (parameters, gradients kept allocated, optimizer state), with the planner's allocator-level tracker
@@ -13,12 +16,15 @@ The two alternate step by step inside the launch, so machine noise hits them ali
   chunk's, 4·c·V, and under TP2 (vocabulary-parallel) 4·c·V/2 per rank. The loss keeps a few buffers of that size
   alive at once (logits, log-softmax, their gradient), so the saving is a multiple of the logits buffer.
 - **loss term chunked / HF**: the loss's bytes at the start of backward, chunked over HF's: measured as HF's term
-  (the planner's 16·t·V) less the saving, next to the planner's own ratio. The goal is <= 1/8.
-- **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank.
+  (the planner's 16·t·V) less the saving, next to the planner's own ratio, for the chunked loss as it runs and
+  for its generic path. The goal is <= 1/8.
+- **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank: chunked / HF and
+  chunked / generic (the fast path against the path it replaces).
 
     python benchmarks/bench_logits_memory.py                       # seq 2048 and 4096, vocab 128k
     python benchmarks/bench_logits_memory.py --seqs 2048 --layouts one,fsdp2
     python benchmarks/bench_logits_memory.py --quick               # smoke run (vocab 16k, seq 512)
+    python benchmarks/bench_logits_memory.py --variants chunked,hf  # without the generic path (its columns: nan)
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 
 LAYOUTS = {"one": (1, {}), "fsdp2": (2, dict(dp_shard_size=2)), "tp2": (2, dict(tp_size=2)),
            "pp2": (2, dict(pp_size=2, pp_microbatches=2)), "cp2": (2, dict(cp_size=2))}
-VARIANTS = ("chunked", "hf")
+VARIANTS = ("chunked", "generic", "hf")
 
 
 def _tokens_per_loss(name: str, seq: int) -> int:
@@ -48,13 +54,16 @@ def _vocab_split(name: str) -> int:
     return LAYOUTS[name][1].get("tp_size", 1)
 
 
-def loss_terms(name: str, seq: int, args) -> tuple[float, float]:
-    """(HF's loss bytes at the start of backward, the chunked loss's), the planner's formulas (planner/memory.py,
-    validated against a measured step in tests/unit/test_planner.py): HF's logits, log-softmax and both gradients
-    in fp32, 16·t·V; the chunked loss's one chunk of those over V/tp, the hidden states' gradient 4·t·h and two fp32
-    copies of the head's gradient 2·4·V·h/tp."""
-    t, v, tp = _tokens_per_loss(name, seq), args.vocab, _vocab_split(name)
-    return 16 * t * v, 16 * min(args.chunk, t) * v / tp + 4 * t * args.hidden + 8 * v * args.hidden / tp
+def loss_terms(name: str, seq: int, args) -> tuple[float, float, float]:
+    """(HF's loss bytes at the start of backward, the chunked loss's, its generic path's), the planner's formulas
+    (planner/memory.py, validated against a measured step in tests/unit/test_planner.py): HF's logits, log-softmax
+    and both gradients in fp32, 16·t·V. The generic path: one chunk of those over V/tp, the hidden states' gradient
+    4·t·h and two fp32 copies of the head's gradient 2·4·V·h/tp. The linear fast path (not under TP2 here): one fp32
+    chunk buffer 4·c·V, 4·t·h and one head gradient 4·V·h."""
+    t, v, h, tp = _tokens_per_loss(name, seq), args.vocab, args.hidden, _vocab_split(name)
+    c = min(args.chunk, t)
+    generic = 16 * c * v / tp + 4 * t * h + 8 * v * h / tp
+    return 16 * t * v, generic if tp > 1 else 4 * c * v + 4 * t * h + 4 * v * h, generic
 
 
 def worker(args) -> None:
@@ -64,6 +73,7 @@ def worker(args) -> None:
     from torch.utils.data import DataLoader
 
     from nd_parallel import NDParallelPlugin, ParallelismConfig
+    from nd_parallel.distributed.chunked_loss import ChunkedHead
     from nd_parallel.planner.measure import LiveTensorBytes, state_tensors
     from nd_parallel.testing.models import make_samples
     from nd_parallel.testing.parity import _collate
@@ -73,18 +83,20 @@ def worker(args) -> None:
     seq = int(args.seq)  # an internal flag: a string
     samples = make_samples(n=4, seq_len=seq, min_len=seq)
     runs = {}
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
         AcceleratorState._reset_state(reset_partial_state=False)
         accelerator = Accelerator()
-        chunk = args.chunk if variant == "chunked" else 0
+        chunk = 0 if variant == "hf" else args.chunk
+        ChunkedHead.fast_linear = variant != "generic"  # read by each ChunkedHead when the model is prepared
         plugin = NDParallelPlugin(ParallelismConfig(**layout, loss_chunk_size=chunk)).attach(accelerator)
         model = plugin.from_pretrained(args.model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         per_rank = 2 if layout.get("pp_size", 1) > 1 else 1
         loader = DataLoader(samples, batch_size=per_rank, collate_fn=_collate)
         model, opt, loader = accelerator.prepare(model, opt, loader)
+        ChunkedHead.fast_linear = True
         runs[variant] = (accelerator, model, opt, next(iter(loader)))
-    peaks, times = {}, {v: [] for v in VARIANTS}
+    peaks, times = {}, {v: [] for v in runs}
     measured_at = max(1, args.warmup)  # after a step, so gradients exist and count as state
     for step in range(measured_at + 1 + args.steps):
         for variant, (accelerator, model, opt, batch) in runs.items():
@@ -107,32 +119,34 @@ def worker(args) -> None:
             if step > measured_at:
                 times[variant].append(time.perf_counter() - start)
     every = _common.gather({"peak": peaks, "time": {v: statistics.median(t) for v, t in times.items()}})
-    _common.write_result(args, {key: {v: max(r[key][v] for r in every) for v in VARIANTS} for key in ("peak", "time")})
+    _common.write_result(args, {key: {v: max(r[key][v] for r in every) for v in runs} for key in ("peak", "time")})
 
 
 def parse_args(argv):
     p = _common.parser(__doc__)
     _common.flags(p, seqs="2048,4096", vocab=131072, hidden=256, layers=2, chunk=256, steps=2, warmup=1,
-                  layouts=",".join(LAYOUTS))
+                  layouts=",".join(LAYOUTS), variants=",".join(VARIANTS))
     return _common.parse(p, argv, quick={"seqs": "512", "vocab": 16384, "steps": 1},
                          internal=("--layout", "--model", "--seq"))
 
 
-HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "chunked / HF", "saved (MiB)",
+HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "peak generic (MiB)", "chunked / HF", "saved (MiB)",
         "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V/tp (MiB)", "saved / HF logits", "loss term chunked / HF",
-        "planner's", "time chunked / HF"]
+        "planner's", "loss term generic / HF", "planner's (generic)", "time chunked / HF", "time chunked / generic"]
 
 
 def table_row(seq: int, name: str, res: dict, args) -> list[str]:
-    hf, ours = res["peak"]["hf"] / _common.MB, res["peak"]["chunked"] / _common.MB
+    hf, ours, generic = (res["peak"].get(v, float("nan")) / _common.MB for v in ("hf", "chunked", "generic"))
     logits = 4 * _tokens_per_loss(name, seq) * args.vocab / _common.MB
     chunk = 4 * min(args.chunk, _tokens_per_loss(name, seq)) * args.vocab / _vocab_split(name) / _common.MB
-    hf_term, chunked_term = (b / _common.MB for b in loss_terms(name, seq, args))
+    hf_term, chunked_term, generic_term = (b / _common.MB for b in loss_terms(name, seq, args))
     # measured: HF's loss term (its formula) less what the chunked run saved on the same step
-    measured = (hf_term - (hf - ours)) / hf_term
-    return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}", f"{logits:.0f}",
-            f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}", f"{chunked_term / hf_term:.3f}",
-            f"{res['time']['chunked'] / res['time']['hf']:.2f}x"]
+    measured, measured_generic = ((hf_term - (hf - peak)) / hf_term for peak in (ours, generic))
+    time = res["time"]
+    return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{generic:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}",
+            f"{logits:.0f}", f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}",
+            f"{chunked_term / hf_term:.3f}", f"{measured_generic:.3f}", f"{generic_term / hf_term:.3f}",
+            f"{time['chunked'] / time['hf']:.2f}x", f"{time['chunked'] / time.get('generic', float('nan')):.2f}x"]
 
 
 def parent(args, argv) -> None:
@@ -146,7 +160,7 @@ def parent(args, argv) -> None:
                 world, layout = LAYOUTS[name]
                 print(f"-- seq {seq}, {name} ({world} rank(s))", file=sys.stderr, flush=True)
                 res, took = _common.launch_timed(__file__, world, [
-                    f"--seq={seq}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--chunk={args.chunk}",
+                    f"--seq={seq}", f"--steps={args.steps}", f"--variants={args.variants}", f"--warmup={args.warmup}", f"--chunk={args.chunk}",
                     f"--layout={json.dumps(layout)}", f"--model={model}"], timeout=3600)
                 print(f"   launch took {took}", file=sys.stderr, flush=True)
                 rows.append(table_row(seq, name, res, args))

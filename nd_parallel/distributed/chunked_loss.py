@@ -19,6 +19,11 @@ family writes is applied by the family's own code, and the first chunked call ch
 the real forward produced for the last position; a model whose head the probe does not reproduce falls back to
 its own loss (one info line).
 
+Most heads are one linear map: the first chunked call also checks that (linear_loss.py), and those heads take a
+fast path written in torch ops that keeps one chunk's fp32 buffer and one fp32 head gradient instead of autograd's
+per-chunk buffers and a second copy of the head's gradient. The generic path stays for every other head and for the
+vocabulary-parallel one under TP. Either way backward scales the kept gradients in place and hands them to autograd.
+
 Semantics are transformers' ``ForCausalLMLoss``: labels shifted left by one (or ``shift_labels`` as given, as
 context parallelism does), ``ignore_index`` -100, the sum divided by ``num_items_in_batch`` when given (the
 global token count ``loss.GlobalTokenLoss`` passes) and the mean over the label tokens otherwise.
@@ -37,6 +42,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from nd_parallel.models.hf import decoder_slot, head_parameters
 
+from .linear_loss import LinearHead, linear_cross_entropy, linear_head
 from .loss import IGNORE_INDEX
 from .vocab_parallel import local_value, loss_context, sharded_logits, vocab_parallel_heads
 
@@ -115,52 +121,80 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Forward: sum of the chunks' cross-entropies / denominator, with the gradients computed chunk by chunk.
     Backward: those gradients times the incoming gradient. ``params`` are the head's trainable tensors (as the
     model holds them during forward: FSDP's unsharded parameters, TP's DTensors), inputs so that their gradients
-    reach them, and FSDP's hooks, through autograd as usual."""
+    reach them, and FSDP's hooks, through autograd as usual. ``head`` is the probe (any head) or a ``LinearHead``
+    (linear_loss.py: one linear map, computed in place)."""
 
     @staticmethod
     def forward(ctx, head, chunk, denom, hidden, targets, *params):
         flat = hidden.detach().reshape(-1, hidden.shape[-1])  # [b*s, h]
         targets = targets.reshape(-1)
-        grad_hidden = torch.zeros_like(flat)
-        grad_params: list[torch.Tensor | None] = [None] * len(params)
-        total = torch.zeros((), dtype=torch.float32, device=flat.device)
-        with torch.enable_grad():
-            for start in range(0, flat.shape[0], chunk):
-                target = targets[start:start + chunk]
-                if not bool((target != IGNORE_INDEX).any()):
-                    continue  # no label token: no loss, no gradient (same on every tp rank: they share tokens)
-                piece = flat[start:start + chunk].detach().requires_grad_(hidden.requires_grad)
-                logits = head(piece.unsqueeze(0))  # [1, c, V], or this tp rank's [1, c, V/tp] (vocab_parallel.py)
-                with loss_context(logits):  # vocabulary-parallel: forward and backward under loss_parallel
-                    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                                           ignore_index=IGNORE_INDEX, reduction="sum")
-                    wanted = [piece, *params] if hidden.requires_grad else list(params)
-                    grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ()
-                if hidden.requires_grad:
-                    grad_hidden[start:start + chunk] = grads[0]
-                    grads = grads[1:]
-                for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
-                    if g is not None:
-                        grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
-                total += local_value(loss.detach())
-                del logits, loss
-        if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
-            grad_params = _unlabelled_gradients(head, flat, params)
+        grad_hidden = torch.zeros_like(flat) if hidden.requires_grad else None
+        if isinstance(head, LinearHead):
+            total, grad_params = _linear_chunks(head, chunk, flat, targets, grad_hidden, params)
+        else:
+            total, grad_params = _probe_chunks(head, chunk, flat, targets, grad_hidden, params)
         ctx.denom = denom
-        ctx.param_dtypes = [p.dtype for p in params]
-        ctx.save_for_backward(grad_hidden.view_as(hidden), *[g for g in grad_params if g is not None])
-        ctx.present = [g is not None for g in grad_params]
+        ctx.dtypes = [hidden.dtype, *[p.dtype for p in params]]
+        # Kept on ctx, not save_for_backward: the last backward hands these buffers over (see backward).
+        ctx.grads = [None if grad_hidden is None else grad_hidden.view_as(hidden), *grad_params]
         return total / denom
 
     @staticmethod
     def backward(ctx, grad_out):
-        saved = list(ctx.saved_tensors)
-        grad_hidden, kept = saved[0], iter(saved[1:])
+        if ctx.grads is None:
+            raise RuntimeError("backward through the chunked loss a second time: the first backward freed its "
+                               "gradients; pass retain_graph=True to the first one")
         scale = grad_out / ctx.denom
-        grads = []
-        for present, dtype in zip(ctx.present, ctx.param_dtypes):
-            grads.append((next(kept) * scale).to(dtype) if present else None)
-        return (None, None, None, (grad_hidden * scale).to(grad_hidden.dtype), None, *grads)
+        # A backward that frees the graph (the usual one) is the last use of the kept gradients: scale them in place
+        # and hand them over, so autograd's AccumulateGrad adds them to (or takes them as) .grad without a second
+        # V·h copy. One that keeps the graph (retain_graph=True, pipelining's split zero-bubble backward) copies.
+        keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+        grads, out = ctx.grads, []
+        if not keep:
+            ctx.grads = None
+        for g, dtype in zip(grads, ctx.dtypes):
+            out.append(None if g is None else (g * scale if keep else g.mul_(scale)).to(dtype))
+        del grads
+        return (None, None, None, out[0], None, *out[1:])
+
+
+def _probe_chunks(head, chunk, flat, targets, grad_hidden, params) -> tuple[torch.Tensor, list]:
+    """Any head: the probe on each chunk, the chunk's gradients by autograd, the parameters' summed in fp32."""
+    grad_params: list[torch.Tensor | None] = [None] * len(params)
+    total = torch.zeros((), dtype=torch.float32, device=flat.device)
+    with torch.enable_grad():
+        for start in range(0, flat.shape[0], chunk):
+            target = targets[start:start + chunk]
+            if not bool((target != IGNORE_INDEX).any()):
+                continue  # no label token: no loss, no gradient (same on every tp rank: they share tokens)
+            piece = flat[start:start + chunk].detach().requires_grad_(grad_hidden is not None)
+            logits = head(piece.unsqueeze(0))  # [1, c, V], or this tp rank's [1, c, V/tp] (vocab_parallel.py)
+            with loss_context(logits):  # vocabulary-parallel: forward and backward under loss_parallel
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+                wanted = [piece, *params] if grad_hidden is not None else list(params)
+                grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ()
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
+                if g is not None:
+                    grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
+            total += local_value(loss.detach())
+            del logits, loss, grads
+    if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
+        grad_params = _unlabelled_gradients(head, flat, params)
+    return total, grad_params
+
+
+def _linear_chunks(head: LinearHead, chunk, flat, targets, grad_hidden, params) -> tuple[torch.Tensor, list]:
+    """A linear head (linear_loss.py): the head's gradients accumulated in place in one fp32 buffer each."""
+    weight, bias = head.weight, head.bias
+    grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    by_id = {id(p): g for p, g in zip(params, grad_params)}
+    total = linear_cross_entropy(flat, targets, chunk, head, grad_hidden, by_id.get(id(weight)),
+                                 None if bias is None else by_id.get(id(bias)))
+    return total, grad_params
 
 
 def chunked_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -206,11 +240,16 @@ class ChunkedHead:
 
     ``run(forward_kwargs)`` calls the model's own forward asking for the last position's logits only and returns
     ``(output, hidden)``; the first call checks that the head can be run on chunks (``enabled``).
-    ``loss(hidden, targets, num_items)`` is the chunked cross-entropy through the model's head.
+    ``loss(hidden, targets, num_items)`` is the chunked cross-entropy through the model's head: on linear_loss.py's
+    fast path where the first call found the head to be one linear map (``linear``), else through the probe.
     """
+
+    fast_linear = True  # False: every head takes the probe's path (benchmarks compare the two)
 
     def __init__(self, model: nn.Module, forward: Callable, chunk: int):
         self.model, self.forward, self.chunk = model, forward, chunk
+        self.linear: LinearHead | None = None
+        self.fast_linear = type(self).fast_linear  # as it was when the model was prepared
         self.slot = decoder_slot(model)
         self.enabled = self.slot is not None and "logits_to_keep" in inspect.signature(forward).parameters
         self.checked = not self.enabled
@@ -239,13 +278,22 @@ class ChunkedHead:
         hidden, self._hidden = self._hidden, None
         if not self.checked:
             self.enabled, self.checked = _reproduces(self.probe, hidden, out.logits), True
-            logger.info("chunked loss %s for %s (%d tokens per chunk)", "on" if self.enabled else
-                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk)
+            if self.enabled and self.fast_linear:
+                self.linear = linear_head(self.model, self.probe, hidden, head_parameters(self.model),
+                                          bool(self.probe.heads))
+            logger.info("chunked loss %s for %s (%d tokens per chunk%s)", "on" if self.enabled else
+                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk,
+                        ", linear head" if self.linear is not None else "")
         return out, hidden
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-        return chunked_cross_entropy(self.probe, hidden, targets, self.chunk, head_parameters(self.model),
-                                     num_items_in_batch)
+        params = head_parameters(self.model)
+        head = self.probe
+        if self.linear is not None and self.linear.usable(hidden):
+            own = (self.linear.weight, self.linear.bias)
+            if all(any(p is o for o in own) for p in params if p.requires_grad):
+                head = self.linear
+        return chunked_cross_entropy(head, hidden, targets, self.chunk, params, num_items_in_batch)
 
     def remove(self) -> None:
         if hasattr(self, "handle"):

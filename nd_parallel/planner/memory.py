@@ -156,10 +156,18 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
         grad_hidden = tokens * train.compute_bytes * spec.hidden
         grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
                                      spec.vocab)
-        # one chunk's buffers, the hidden-state gradient, the running head gradient and the chunk's own; every other
-        # in-flight micro-batch keeps its hidden-state and head gradients until its backward
-        return (min(train.loss_chunk, tokens) * at_loss * share + grad_hidden + 2 * grad_head
-                + (flight - 1) * (grad_hidden + grad_head)), 0.0
+        chunk = min(train.loss_chunk, tokens)
+        if spec.linear_head and share == 1:
+            # linear_loss.py's fast path: one fp32 [c, V] buffer (logits, softmax, gradient in place; in bf16 the
+            # linear's bf16 output, then the gradient cast back, beside it), the running fp32 head gradient (in
+            # bf16 beside it the chunk's bf16 product)
+            low = train.compute_bytes if train.compute_bytes < FP32 else 0
+            loss = chunk * (FP32 + low) * spec.vocab + grad_hidden + grad_head * (1 + low / FP32)
+        else:
+            # the probe's path: one chunk's buffers, the running head gradient and the chunk's own
+            loss = chunk * at_loss * share + grad_hidden + 2 * grad_head
+        # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward
+        return loss + (flight - 1) * (grad_hidden + grad_head), 0.0
     # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
     # all of them); the one whose backward starts also has both gradients.
     return tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)), tokens * held

@@ -70,6 +70,9 @@ class ModelSpec:
     """Elements of the largest parameter tensor (the single-tensor AdamW step's temporary)."""
     lora_linears: tuple[tuple[int, int], ...]
     """(in_features, out_features) of each Linear a LoRA adapter targets in one layer."""
+    linear_head: bool = True
+    """The head is one nn.Linear and the config sets no soft-cap or logit scale: the chunked loss's fast path (one
+    chunk buffer, one head gradient; decided at run time by distributed/linear_loss.py, predicted here)."""
     layer_tensors: int = 0
     """Parameter tensors of one decoder layer (the for-loop AdamW pays its ops per tensor)."""
     rest_tensors: int = 0
@@ -179,6 +182,17 @@ def _moe(layer: nn.Module, layers, plan: dict, prefix: str, text) -> dict:
                 gated=any(2 * d in inner for d in inner) or len(stacked) >= 3)
 
 
+# config keys of a step between the head's matmul and the loss (Gemma's soft-cap, Granite's and Cohere's scales,
+# Falcon-H1's multiplier); 1.0 / None mean no step
+_LOGIT_STEPS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
+
+
+def _linear_head(head: nn.Module | None, text) -> bool:
+    """Whether the chunked loss will take its linear fast path (the run decides exactly: linear_loss.linear_head)."""
+    return (isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
+            and all(getattr(text, k, None) in (None, 1, 1.0) for k in _LOGIT_STEPS))
+
+
 def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] | None = None) -> ModelSpec:
     """Read a ModelSpec from a (meta-device) causal LM; PlannerError when its layer stack cannot be found."""
     try:
@@ -238,7 +252,7 @@ def model_spec(model: nn.Module, name: str = "", lora_targets: tuple[str, ...] |
         embed_tp_sharded=_matches(plan, emb_name) is not None,
         head_tp_sharded=head is not None and _matches(plan, head_name) is not None,
         largest_param=max(p.numel() for p in model.parameters()),
-        lora_linears=_lora_targets(layer, lora_targets),
+        lora_linears=_lora_targets(layer, lora_targets), linear_head=_linear_head(head, text),
         layer_tensors=len(list(layer.parameters())),
         rest_tensors=sum(len(list(model.get_submodule(n).parameters())) for n in (*parts.pre, *parts.post))
         - (1 if tied and head_name in parts.post else 0),

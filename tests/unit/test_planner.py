@@ -141,10 +141,10 @@ def test_single_process_fp32_known_case(llama):
     assert mem.parts["optimizer"] == 8 * llama.total_params
     assert mem.parts["activations"] == tokens * (4 * per_layer + 12 * h + 4)  # + the final norm
     assert mem.parts["logits"] == 16 * tokens * V  # logits, log_softmax out, both gradients (fp32)
-    # The chunked loss: those buffers for one chunk, the hidden states' gradient, the head's fp32 gradient twice.
+    # The chunked loss's linear fast path: a chunk buffer, the hidden states' and the head's gradients (test_linear_loss)
     chunked = peak_memory(llama, Training(seq_len=512, global_batch=2, dtype="fp32", loss_chunk=128),
                           Layout(1, 1, 1, 1, 1, micro_batch=2), BIG)
-    assert chunked.parts["logits"] == 16 * 128 * V + 4 * tokens * h + 2 * 4 * V * h
+    assert llama.linear_head and chunked.parts["logits"] == 4 * 128 * V + 4 * tokens * h + 4 * V * h
 
 
 @pytest.mark.parametrize("chunk", [0, 128])
