@@ -67,6 +67,10 @@ def _shrink(config_dict: dict, depth: int) -> dict:
         out.update(_shrink_depth(config_dict, layers, depth))
     if isinstance(out.get("qk_rope_head_dim"), int) and "head_dim" in config_dict:
         out["head_dim"] = out["qk_rope_head_dim"]  # MLA: head_dim is the rotary part
+    if isinstance(config_dict.get("kv_lora_rank"), int) and "num_key_value_heads" in out:
+        # MLA decompresses one key and value per query head (kv_b_proj), so num_key_value_heads only sets the
+        # grouping factor repeat_kv applies: a kv count below the head count repeats keys that need none.
+        out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)
     if config_dict.get("head_dim", 0) is None and isinstance(out.get("num_attention_heads"), int):
         out["head_dim"] = HEAD_DIM  # some defaults leave it unset although their attention reads it
     if any(k in out for k in ("num_local_experts", "num_experts", "n_routed_experts")) and \
