@@ -37,6 +37,8 @@ SIZES = {
     "rotary_dim": HEAD_DIM // 2,  # partial rotary stays partial
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "block_size": 16, "chunk_size": 16,
+    # periodic layer kinds (an attention / expert layer every period layers, from offset): both kinds in 2 layers
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
 }
 # Per-layer counts that must stay within the tiny depth.
 DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers")
@@ -87,7 +89,7 @@ def _shrink(config_dict: dict, depth: int) -> dict:
 
 def _per_layer(value, layers: int) -> bool:
     """A list with one entry per layer (a kind name or flag each), as ``layer_types``."""
-    return isinstance(value, list) and len(value) == layers and all(isinstance(v, (str, bool)) for v in value)
+    return isinstance(value, list) and len(value) == layers and all(isinstance(v, (str, bool, float)) for v in value)
 
 
 def _layer_indices(key: str, value) -> bool:
@@ -113,6 +115,8 @@ def _shrink_depth(config_dict: dict, layers: int, depth: int) -> dict:
     for key, value in config_dict.items():
         if _per_layer(value, layers):
             out[key] = [value[i] for i in keep]
+        elif key in SIZES and isinstance(value, list) and len(value) == layers:  # a size per layer
+            out[key] = [SIZES[key]] * len(keep)
         elif _layer_indices(key, value):
             out[key] = [new_index[i] for i in value if i in new_index]
         elif _per_layer_dict(value):  # {"02": {overrides of layer 2}, ...}: kept layers, their sizes shrunk too
