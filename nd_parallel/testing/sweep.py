@@ -182,6 +182,8 @@ def sweep_type(model_type: str, work: Path, recipe: Recipe, layouts=None) -> dic
         if name == "ep2" and not moe:
             continue
         start = time.perf_counter()
+        if rank == 0:  # what a launch that dies or hangs was doing (sweep_launch puts it in the record)
+            (work.parent / "current_cell.txt").write_text(f"{model_type} {name}")
         result, err, issued = _run_cell(directory, samples, recipe, layout, dp)
         seconds = time.perf_counter() - start
         views = [None] * dist.get_world_size()
