@@ -129,7 +129,7 @@ def match_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         # for a parameter-free module (longcat's zero experts: nn.Identity inside the experts).
         if style is not None and (style == "moe_identity_expert" or next(module.parameters(), None) is not None):
             matched[name] = style
-    return matched
+    return {**moe.region_scalars(model, matched), **matched}
 
 
 # The module types each style's torch class can split: torch's own error ("ColwiseParallel currently only support

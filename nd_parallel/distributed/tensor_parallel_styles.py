@@ -217,3 +217,28 @@ def clone_outputs_modified_in_place(model: nn.Module, names) -> int:
                     lambda _m, _a, out: out.clone() if isinstance(out, torch.Tensor) else out)
                 cloned += 1
     return cloned
+
+
+# Styles whose module's output is split over tp (the region opens) and whose input is (the region closes).
+_OPENS, _CLOSES = ("colwise", "packed_colwise"), ("rowwise",)
+
+
+def region_scalars(model: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    """Modules the plan does not name that hold only scalar parameters and sit beside a module opening a TP region
+    and one closing it (a learnable activation such as Apertus' xIELU between up_proj and down_proj): each rank
+    applies them to its shard of the features, so their gradient is a partial sum; the style made for per-head
+    norms (replicated weights, gradient all-reduced over tp) makes it whole. transformers' plans omit them."""
+    children: dict[str, set] = {}
+    for name, style in matched.items():
+        parent = name.rpartition(".")[0]
+        children.setdefault(parent, set()).add(style)
+    found = {}
+    for parent, styles in children.items():
+        if not (styles & set(_OPENS) and styles & set(_CLOSES)):
+            continue
+        for child, module in (model.get_submodule(parent) if parent else model).named_children():
+            name = f"{parent}.{child}" if parent else child
+            params = list(module.parameters())
+            if name not in matched and params and all(p.numel() == 1 for p in params):
+                found[name] = "replicated_with_grad_allreduce"
+    return found

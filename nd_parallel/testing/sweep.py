@@ -11,7 +11,7 @@ ranks through the unchanged Accelerate loop (``parity.train_layout``). Each cell
 - ``differs`` / ``crash``: anything else, which the tests fail on.
 
 A type whose tiny config cannot be built, or whose one-process run fails, gets a ``status`` with the reason and no
-cells. Used by ``tests/distributed/test_model_sweep.py`` (a subset) and ``benchmarks/sweep_models.py`` (all types).
+cells (``default fails`` where transformers cannot build the type's own default config either). Used by ``tests/distributed/test_model_sweep.py`` (a subset) and ``benchmarks/sweep_models.py`` (all types).
 """
 
 from __future__ import annotations
@@ -84,8 +84,21 @@ def _build(model_type: str, directory: Path) -> tuple[str, str]:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     except Exception as err:  # noqa: BLE001
-        return "model fails", _reason(err)
+        return _default_fails(model_type) or "model fails", _reason(err)
     return "ok", ""
+
+
+def _default_fails(model_type: str) -> str | None:
+    """"default fails" where transformers cannot build the type's own default config either (on the meta device):
+    a defect of that type in transformers, not of the tiny builder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception:  # noqa: BLE001
+        return "default fails"
+    return None
 
 
 def _reference(directory: Path, samples, recipe: Recipe):
@@ -169,6 +182,8 @@ def sweep_type(model_type: str, work: Path, recipe: Recipe, layouts=None) -> dic
         if name == "ep2" and not moe:
             continue
         start = time.perf_counter()
+        if rank == 0:  # what a launch that dies or hangs was doing (sweep_launch puts it in the record)
+            (work.parent / "current_cell.txt").write_text(f"{model_type} {name}")
         result, err, issued = _run_cell(directory, samples, recipe, layout, dp)
         seconds = time.perf_counter() - start
         views = [None] * dist.get_world_size()

@@ -40,9 +40,12 @@ def launch_sweep(types: list[str], out_dir: Path, steps: int = STEPS, per_launch
             done = {r["type"] for r in read_records(jsonl)}
             stuck = next((t for t in batch if t not in done), None)
             if stuck is not None:
+                cell = out_dir / "current_cell.txt"
+                where = cell.read_text().split() if cell.exists() else []
+                during = f"during {where[1]}: " if where[:1] == [stuck] else ""
                 with open(jsonl, "a") as f:
                     f.write(json.dumps({"type": stuck, "status": "launch died", "cells": {},
-                                        "reason": " ".join(str(err).split())[-400:]}) + "\n")
+                                        "reason": during + " ".join(str(err).split())[-400:]}) + "\n")
         done = {r["type"] for r in read_records(jsonl)}
         todo = [t for t in todo if t not in done]
     by_type = {r["type"]: r for r in read_records(jsonl)}

@@ -30,6 +30,7 @@ def test_ci_subset_covers_the_brief():
     assert len(CI_TYPES) >= 40
     assert sum(num_experts(tiny_sweep_config(t)) is not None for t in CI_TYPES) >= 5
     assert {"gpt_oss", "lfm2", "falcon", "bloom", "opt"} <= set(CI_TYPES)
+    assert {"minicpm3", "deepseek_v3"} <= set(CI_TYPES)  # multi-head latent attention, dense and MoE
 
 
 @pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.xfail(reason=KNOWN[t], strict=True))

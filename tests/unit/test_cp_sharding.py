@@ -82,3 +82,19 @@ def test_sequence_shorter_than_the_chunks_is_refused():
 def test_four_dimensional_mask_is_refused():
     with pytest.raises(ValueError, match="2-D attention_mask.*4-D mask of shape \\(1, 1, 8, 8\\)"):
         shard_batch(dict(input_ids=torch.ones(1, 8, dtype=torch.long), attention_mask=torch.ones(1, 1, 8, 8)), 0, 2, True)
+
+
+def test_positions_derived_from_token_ids_are_computed_on_the_whole_rows():
+    """RoBERTa-style embeddings number positions from padding_idx + 1, counting non-pad tokens; CP used 0..S-1 for
+    them (a silently wrong cp2 on camembert / data2vec-text in the model sweep) and now asks the model, before the
+    cut. Models with plain positions keep None (0..S-1)."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.distributed.context_parallel.hf import _positions_from_ids
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    roberta = AutoModelForCausalLM.from_config(tiny_sweep_config("camembert", is_decoder=True))
+    pad = roberta.config.pad_token_id
+    ids = torch.tensor([[5, 6, 7, pad]])
+    assert _positions_from_ids(roberta)(ids).tolist() == [[pad + 1, pad + 2, pad + 3, pad]]
+    assert _positions_from_ids(AutoModelForCausalLM.from_config(tiny_sweep_config("llama"))) is None

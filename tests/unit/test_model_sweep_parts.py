@@ -24,6 +24,33 @@ def test_tiny_config_shrinks_sizes_and_keeps_structure(model_type):
             assert getattr(tiny, field) == 4 and tiny.num_experts_per_tok == 2
 
 
+@pytest.mark.parametrize("model_type", ["minicpm3", "deepseek_v3"])
+def test_mla_tiny_model_runs_with_padding(model_type):
+    """MLA decompresses a key/value per query head: kv heads below the head count made repeat_kv double the keys
+    ("4 vs 8" in sdpa with an attention mask) before the builder kept them equal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_sweep_config(model_type)
+    assert config.num_key_value_heads == config.num_attention_heads
+    torch.manual_seed(0)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    ids = torch.randint(0, 256, (2, 8))
+    assert torch.isfinite(AutoModelForCausalLM.from_config(config)(ids, attention_mask=mask, labels=ids).loss)
+
+
+def test_layer_kinds_combine_every_per_layer_list_and_random_drops_are_off():
+    from transformers import AutoConfig
+
+    full, tiny = AutoConfig.for_model("kimi_linear"), tiny_sweep_config("kimi_linear")
+    # kinds are (attention, mlp) pairs: the tiny model keeps full attention although mlp_layer_types comes first
+    assert set(tiny.layer_types) == set(full.layer_types) and set(tiny.mlp_layer_types) == set(full.mlp_layer_types)
+    bart = tiny_sweep_config("bart")  # layerdrop skips layers at random in training
+    assert bart.decoder_layerdrop == bart.encoder_layerdrop == bart.dropout == 0.0
+    assert bart.decoder_attention_heads == 4 and bart.decoder_layers == 2
+
+
 def _error(message, ours=True, issued=0):
     return {"error": message, "ours": ours, "issued": issued, "where": "..."}
 

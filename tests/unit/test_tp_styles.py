@@ -144,3 +144,22 @@ def test_packed_weight_loads_as_several_boxes():
     assert not is_one_box((_StridedShard(2, split_factor=2),), (2,))
     assert one_dim_each((Shard(0), _StridedShard(2, split_factor=2)))
     assert not one_dim_each((Shard(0), _StridedShard(0, split_factor=2)))
+
+
+def test_scalar_parameters_inside_a_tp_region_get_their_gradient_all_reduced():
+    """Apertus' xIELU (alpha_p, alpha_n: scalars) runs between colwise up_proj and rowwise down_proj on each
+    rank's shard of the features; its plan omits it, so its gradient was a partial sum (TP2 parameters 8e-4 off in
+    the model sweep). Norms beside the region (MLA's q_a_layernorm: not scalar) are left alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.distributed.tensor_parallel import match_plan, resolve_plan
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    for model_type, expected in (("apertus", {"model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"}),
+                                 ("deepseek_v3", set())):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_sweep_config(model_type))
+        matched = match_plan(model, resolve_plan(model, None))
+        added = {n for n, s in matched.items() if s == "replicated_with_grad_allreduce" and "norm" not in n}
+        assert added == expected, (model_type, added)

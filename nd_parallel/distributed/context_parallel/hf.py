@@ -308,6 +308,7 @@ class SequenceSharding:
         self.pad_id = pad_token_id(model)
         self.model_config = model.config
         self.signature = inspect.signature(model.forward)
+        self.positions_of = _positions_from_ids(model)
         self._state: list = []
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
@@ -327,6 +328,8 @@ class SequenceSharding:
         if any(inputs.get(k) is not None for k in ("past_key_values", "cache")):  # renamed "cache" in 5.2x
             raise NotImplementedError("a KV cache (past_key_values) under context parallelism: generation is not "
                                       "sequence-parallel; generate with an unprepared model")
+        if inputs.get("position_ids") is None and inputs.get("input_ids") is not None and self.positions_of:
+            inputs["position_ids"] = self.positions_of(inputs["input_ids"])  # of the whole rows, before the cut
         isolate = isolates_documents(self.model_config, inputs.pop("use_cache", None))
         inputs["use_cache"] = False  # a KV cache of a sequence shard is of no use
         sharded = shard_inputs({k: v for k, v in inputs.items() if v is not None}, self.runtime, self.pad_id, isolate)
@@ -349,6 +352,18 @@ class SequenceSharding:
         for handle in self.handles:
             handle.remove()
         self.model.__dict__.pop("generate", None)
+
+
+def _positions_from_ids(model: nn.Module):
+    """The model's own default position ids where it derives them from the token ids (RoBERTa-style embeddings:
+    padding_idx + 1 + the count of non-pad tokens so far), else None (positions 0..S-1, what shard_batch assumes).
+    A rank computing them from its shard alone would restart the count, so they are computed on the whole rows."""
+    for module in model.modules():
+        make = getattr(module, "create_position_ids_from_input_ids", None)
+        pad = getattr(module, "padding_idx", None)
+        if callable(make) and isinstance(pad, int):
+            return lambda ids: make(ids, pad)
+    return None
 
 
 def _generate_refused(*args, **kwargs):
