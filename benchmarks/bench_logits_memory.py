@@ -142,11 +142,11 @@ def table_row(seq: int, name: str, res: dict, args) -> list[str]:
     hf_term, chunked_term, generic_term = (b / _common.MB for b in loss_terms(name, seq, args))
     # measured: HF's loss term (its formula) less what the chunked run saved on the same step
     measured, measured_generic = ((hf_term - (hf - peak)) / hf_term for peak in (ours, generic))
-    time = res["time"]
+    time = {v: res["time"].get(v, float("nan")) for v in ("chunked", "hf", "generic")}  # --variants may omit some
     return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{generic:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}",
             f"{logits:.0f}", f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}",
             f"{chunked_term / hf_term:.3f}", f"{measured_generic:.3f}", f"{generic_term / hf_term:.3f}",
-            f"{time['chunked'] / time['hf']:.2f}x", f"{time['chunked'] / time.get('generic', float('nan')):.2f}x"]
+            f"{time['chunked'] / time['hf']:.2f}x", f"{time['chunked'] / time['generic']:.2f}x"]
 
 
 def parent(args, argv) -> None:

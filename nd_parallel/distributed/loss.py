@@ -11,6 +11,7 @@ also when padding leaves ranks with different numbers of label tokens. A MoE mod
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,41 @@ def global_value_local_grad(share: torch.Tensor, group) -> torch.Tensor:
     return _GlobalValueLocalGrad.apply(share, group)
 
 
-def _accepts_num_items(forward) -> bool:
-    params = inspect.signature(forward).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)
+def _accepts_num_items(model: nn.Module) -> bool:
+    """Whether the model's loss honours ``num_items_in_batch``: its forward names it, or takes ``**kwargs`` and its
+    class's forward hands them to transformers' ``loss_function``. Some forwards take ``**kwargs`` and still compute
+    their own mean (bart, blenderbot, cpmant: a ``CrossEntropyLoss()`` in the forward); passed the global count they
+    would return the rank's own mean, and the sum over ranks would be dp times too large. Those, and any forward
+    whose source cannot be read, get the rescaled path (``_post``), exact for any mean over the label tokens."""
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.name == "num_items_in_batch" for p in params):
+        return True
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes **kwargs through
+    if any(p.name == "num_items_in_batch" for p in inspect.signature(base.forward).parameters.values()):
+        return True
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return "loss_function" in source or "num_items_in_batch" in source
+
+
+def own_loss_unshifted(model: nn.Module) -> bool:
+    """Whether the model's forward computes its own cross-entropy on *unshifted* labels (bart, blenderbot,
+    bigbird_pegasus, cpmant: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``): every label token counts,
+    the first one too, where transformers' causal-LM loss shifts them. Read from the class's forward source."""
+    if _accepts_num_items(model):
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("#", "`", "[")))
+    shifts = re.search(r"shift_(logits|labels)|\[\s*(\.\.\.|:)\s*,\s*(:-1|1:)", code)
+    return "CrossEntropyLoss(" in code and shifts is None
 
 
 class GlobalTokenLoss:
@@ -63,7 +96,8 @@ class GlobalTokenLoss:
         self.given_group = given_group if given_group is not None else group
         self.ignore_index = ignore_index
         self.signature = inspect.signature(model.forward)
-        self.native = _accepts_num_items(model.forward)
+        self.native = _accepts_num_items(model)
+        self.unshifted = own_loss_unshifted(model)  # the model's own mean counts every label token
         self._local = None
         self._total = None
         self._mask = None
@@ -91,6 +125,8 @@ class GlobalTokenLoss:
             local = given
         elif shifted is not None:
             local = (shifted != self.ignore_index).sum()
+        elif self.unshifted:
+            local = (labels != self.ignore_index).sum()
         else:
             local = count_label_tokens(labels, self.ignore_index)
         local = torch.as_tensor(local, device=labels.device, dtype=torch.int64).reshape(())

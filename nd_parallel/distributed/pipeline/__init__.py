@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nd_parallel.models.hf import embedding_and_head, model_parts, shares_embedding
+from nd_parallel.models.hf import UnsplittableModel, embedding_and_head, model_parts, shares_embedding
 
 from ..chunked_loss import ChunkedHead
+from ..loss import own_loss_unshifted
 from .balance import layer_counts
 from .schedules import SCHEDULES, check_microbatches
 from .split import split_stages, stage_ids_for_rank
@@ -105,6 +106,11 @@ def _untie(model: nn.Module) -> bool:
 
 def validate_pipeline(model: nn.Module, config) -> None:
     """Every pipeline check that needs only the model and the config (run before any collective)."""
+    if own_loss_unshifted(model):
+        raise UnsplittableModel(
+            f"{type(model).__name__}'s forward computes its own cross-entropy on unshifted labels, while the last "
+            "pipeline stage computes transformers' causal-LM loss (labels shifted by one), so the two would "
+            "differ; use pp_size=1 for this model (FSDP/DDP keep its own loss)")
     parts = model_parts(model)
     num_stages = config.pp_size * config.pp_virtual_stages
     counts = None if config.pp_balance == "profile" else layer_counts(config, parts.num_layers)
