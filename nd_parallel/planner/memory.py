@@ -157,7 +157,7 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
         grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
                                      spec.vocab)
         chunk = min(train.loss_chunk, tokens)
-        if spec.linear_head and share == 1:
+        if spec.linear_head and share == 1 and layout.pp == 1:  # pipeline stages keep the probe path
             # linear_loss.py's fast path: one fp32 [c, V] buffer (logits, softmax, gradient in place; in bf16 the
             # linear's bf16 output, then the gradient cast back, beside it), the running fp32 head gradient (in
             # bf16 beside it the chunk's bf16 product)

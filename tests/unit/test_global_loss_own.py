@@ -21,10 +21,13 @@ def test_own_unshifted_loss_is_found_from_the_forward(name, expected):
 
 
 def test_pipeline_refuses_an_own_unshifted_loss_before_any_collective():
-    import transformers
+    from transformers import AutoModelForCausalLM
 
+    from nd_parallel import ParallelismConfig
     from nd_parallel.distributed.pipeline import validate_pipeline
     from nd_parallel.models.hf import UnsplittableModel
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
 
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("bart"))
     with pytest.raises(UnsplittableModel, match="unshifted labels.*use pp_size=1"):
-        validate_pipeline(_bare(transformers.BartForCausalLM), config=None)
+        validate_pipeline(model, ParallelismConfig(pp_size=2))
