@@ -109,12 +109,18 @@ def _unlabelled_gradients(head: Callable, flat: torch.Tensor, params: tuple) -> 
         return [None] * len(params)
     ignored = torch.full((1,), IGNORE_INDEX, dtype=torch.long, device=flat.device)
     with torch.enable_grad():
-        logits = head(flat[:1].detach().unsqueeze(0))
-        with loss_context(logits):
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ignored,
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
-            grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+        _, grads = _chunk_loss(head, flat[:1].detach(), ignored, list(params))
     return [None if g is None else torch.zeros_like(g, dtype=torch.float32) for g in grads]
+
+
+def _chunk_loss(head: Callable, piece: torch.Tensor, target: torch.Tensor, wanted: list) -> tuple:
+    """One chunk through the head: the sum of its cross-entropies and that sum's gradients w.r.t. ``wanted``."""
+    logits = head(piece.unsqueeze(0))  # [1, c, V], or this tp rank's [1, c, V/tp] (vocab_parallel.py)
+    with loss_context(logits):  # vocabulary-parallel: forward and backward under loss_parallel
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target, ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ()
+    return loss, grads
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -168,12 +174,8 @@ def _probe_chunks(head, chunk, flat, targets, grad_hidden, params) -> tuple[torc
             if not bool((target != IGNORE_INDEX).any()):
                 continue  # no label token: no loss, no gradient (same on every tp rank: they share tokens)
             piece = flat[start:start + chunk].detach().requires_grad_(grad_hidden is not None)
-            logits = head(piece.unsqueeze(0))  # [1, c, V], or this tp rank's [1, c, V/tp] (vocab_parallel.py)
-            with loss_context(logits):  # vocabulary-parallel: forward and backward under loss_parallel
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target,
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-                wanted = [piece, *params] if grad_hidden is not None else list(params)
-                grads = torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ()
+            wanted = [piece, *params] if grad_hidden is not None else list(params)
+            loss, grads = _chunk_loss(head, piece, target, wanted)
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk] = grads[0]
                 grads = grads[1:]
@@ -181,7 +183,7 @@ def _probe_chunks(head, chunk, flat, targets, grad_hidden, params) -> tuple[torc
                 if g is not None:
                     grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
             total += local_value(loss.detach())
-            del logits, loss, grads
+            del loss, grads
     if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
         grad_params = _unlabelled_gradients(head, flat, params)
     return total, grad_params
