@@ -30,12 +30,16 @@ def main() -> None:
     p.add_argument("--out", default="docs/models.md")
     p.add_argument("--work", default=None, help="folder for the tiny models and sweep.jsonl (default: a temp dir)")
     p.add_argument("--per-launch", type=int, default=20)
+    p.add_argument("--type-timeout", type=float, default=600,
+                   help="seconds after which a type that has not finished is recorded as a hang (launch died)")
+    p.add_argument("--collective-timeout", type=float, default=300, help="gloo timeout of each collective (s)")
     args = p.parse_args()
     types = (args.types.split(",") if args.types else
              CI_TYPES_FILE.read_text().split() if args.ci else causal_lm_types())
     work = Path(args.work or tempfile.mkdtemp(prefix="nd_parallel_sweep_"))
     start = time.perf_counter()
-    records = launch_sweep(types, work, per_launch=args.per_launch)
+    records = launch_sweep(types, work, per_launch=args.per_launch, type_timeout=args.type_timeout,
+                           collective_timeout=args.collective_timeout)
     took = time.perf_counter() - start
     command = "python benchmarks/sweep_models.py " + " ".join(sys.argv[1:])
     Path(args.out).write_text(markdown(records, command.strip(), transformers.__version__))

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -196,12 +198,27 @@ def sweep_type(model_type: str, work: Path, recipe: Recipe, layouts=None) -> dic
     return record
 
 
-def run_sweep(types: list[str], out: Path, steps: int = STEPS, layouts=None) -> None:
+def _type_watchdog(model_type: str, seconds: float) -> threading.Timer:
+    """Ends this rank if ``model_type`` has not finished within ``seconds``: a hang (ranks waiting on each other
+    outside any timed collective) then costs one type's limit, not the whole launch's timeout, and the launcher
+    records the type as ``launch died`` during the cell in ``current_cell.txt`` and goes on with the next types."""
+    def die():
+        print(f"[sweep] {model_type} did not finish within {seconds:.0f}s: ending the launch", flush=True)
+        os._exit(3)
+    timer = threading.Timer(seconds, die)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def run_sweep(types: list[str], out: Path, steps: int = STEPS, layouts=None, type_timeout: float = 600) -> None:
     """The rank program: every type in turn; rank 0 appends one JSON line per type to ``out`` as it finishes."""
     recipe = Recipe(steps=steps, lr=1e-3)
     work = out.parent / "models"
     for model_type in types:
+        watchdog = _type_watchdog(model_type, type_timeout)
         record = sweep_type(model_type, work, recipe, layouts)
+        watchdog.cancel()
         if dist.get_rank() == 0:
             with open(out, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -212,5 +229,6 @@ if __name__ == "__main__":  # the rank program: python -m nd_parallel.testing.sw
     spec = json.load(open(sys.argv[2]))  # {"types": [...], "steps": n}
     # A cell that crashed on one rank leaves the other in a collective: time it out, so the launcher sees it.
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec.get("collective_timeout", 300)))
-    run_sweep(spec["types"], Path(sys.argv[1]) / "sweep.jsonl", steps=spec.get("steps", STEPS))
+    run_sweep(spec["types"], Path(sys.argv[1]) / "sweep.jsonl", steps=spec.get("steps", STEPS),
+              type_timeout=spec.get("type_timeout", 600))
     dist.destroy_process_group()

@@ -22,9 +22,11 @@ def read_records(path: Path) -> list[dict]:
 
 
 def launch_sweep(types: list[str], out_dir: Path, steps: int = STEPS, per_launch: int = 200,
-                 seconds_per_type: float = 120, env: dict | None = None) -> list[dict]:
+                 seconds_per_type: float = 120, env: dict | None = None, type_timeout: float = 600,
+                 collective_timeout: float = 300) -> list[dict]:
     """Every type's record, in order; rank 0 writes ``out_dir/sweep.jsonl`` as it goes, and types already recorded
-    there are not run again (an interrupted sweep resumes)."""
+    there are not run again (an interrupted sweep resumes). ``type_timeout``: a type still running after that many
+    seconds ends its launch (a hang), ``collective_timeout``: the gloo timeout of each collective."""
     out_dir.mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / "sweep.jsonl"
     recorded = {r["type"] for r in read_records(jsonl)}
@@ -32,7 +34,8 @@ def launch_sweep(types: list[str], out_dir: Path, steps: int = STEPS, per_launch
     while todo:
         batch = todo[:per_launch]
         spec = out_dir / "spec.json"
-        spec.write_text(json.dumps({"types": batch, "steps": steps}))
+        spec.write_text(json.dumps({"types": batch, "steps": steps, "type_timeout": type_timeout,
+                                    "collective_timeout": collective_timeout}))
         try:
             launch(RANK_PROGRAM, 2, [str(out_dir), str(spec)], timeout=60 + seconds_per_type * len(batch),
                    capture=True, env=env)
