@@ -24,6 +24,7 @@ SIZES = {
     "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
     "moe_intermediate_size": 32, "expert_intermediate_size": 32, "shared_expert_intermediate_size": 64,
     "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "zero_expert_num": 2,  # LongCat's identity experts: 256 of them beside 4 real ones leave the real ones unused
     # multi-head latent attention
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "qk_head_dim": 16, "index_head_dim": 16, "index_n_heads": 4,  # sparse-attention indexer (DSA)
@@ -133,7 +134,11 @@ def _shrink_depth(config_dict: dict, layers: int, depth: int) -> dict:
 
 # The default config of some types holds one layer kind only, although the model's checkpoints mix several; these
 # give the tiny model the structure its checkpoints have (test input, not a decision about the model).
-STRUCTURE = {"lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1])}
+STRUCTURE = {"lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+             # Bamba's and GraniteMoeHybrid's defaults have no attention layer at all, and then fail in one
+             # process (their cache asks an attention layer for the sequence length); their checkpoints mix both.
+             "bamba": dict(attn_layer_indices=[1]),
+             "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"])}
 
 
 def _no_drops(config_dict: dict) -> dict:
