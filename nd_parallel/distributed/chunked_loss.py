@@ -43,7 +43,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from nd_parallel.models.hf import decoder_slot, head_parameters
 
 from .linear_loss import LinearHead, linear_cross_entropy, linear_head
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, own_loss_unshifted
 from .vocab_parallel import local_value, loss_context, sharded_logits, vocab_parallel_heads
 
 logger = logging.getLogger(__name__)
@@ -254,10 +254,15 @@ class ChunkedHead:
         self.fast_linear = type(self).fast_linear  # as it was when the model was prepared
         self.slot = decoder_slot(model)
         self.enabled = self.slot is not None and "logits_to_keep" in inspect.signature(forward).parameters
+        # A model whose forward computes its own cross-entropy on unshifted labels (cpmant) means another loss than
+        # the shifted one computed here: it keeps its own.
+        unshifted = self.enabled and own_loss_unshifted(model)
+        self.enabled = self.enabled and not unshifted
         self.checked = not self.enabled
         if not self.enabled:
-            logger.info("chunked loss off for %s: no decoder slot or no logits_to_keep; it uses its own loss",
-                        type(model).__name__)
+            why = "its forward computes its own loss on unshifted labels" if unshifted else \
+                "no decoder slot or no logits_to_keep"
+            logger.info("chunked loss off for %s: %s; it uses its own loss", type(model).__name__, why)
             return
         self.probe = _HeadProbe(model, forward, self.slot)
         self._hidden: torch.Tensor | None = None
