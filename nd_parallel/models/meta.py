@@ -189,6 +189,11 @@ def build_meta_model(path: str | Path, **hf_kwargs) -> nn.Module:
         raise PlainLoadNeeded(f"{type(model).__name__} keeps some modules in fp32 when loaded as {dtype}")
     lazy = match_checkpoint(model, tensors, key_mapping)
     lazy.directory = str(directory)
+    # from_pretrained makes every parameter it reads trainable if it is floating point, whatever the module asked
+    # at __init__ (Marian's sinusoidal positions are built frozen, and trained after a load): as it does.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in lazy.names:
+            param.requires_grad_(param.is_floating_point())
     # Stale buffers old checkpoints carry, and the model's own ignore list, are dropped silently as transformers does.
     ignore = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []), r"rotary_emb\.inv_freq",
               r"(^|\.)position_ids$"]

@@ -273,3 +273,17 @@ def test_reads_in_small_blocks_equal_one_read(root, monkeypatch):
     assert report.bytes_read == report.bytes_total
     assert len(opened) > 3 * report.tensors  # many blocks per matrix
     assert differences(AutoModelForCausalLM.from_pretrained(path), model) == []
+
+
+def test_meta_build_makes_read_parameters_trainable_as_from_pretrained(root):
+    """Marian builds its sinusoidal position table frozen (``_freeze=True``), and transformers' from_pretrained makes
+    every floating-point parameter it reads trainable: the meta build gives the same flags, so a layout trains
+    the same parameters as one process."""
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    path = root / "marian_flags"
+    AutoModelForCausalLM.from_config(tiny_sweep_config("marian")).save_pretrained(path)
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    flags = {n: p.requires_grad for n, p in plain.named_parameters()}
+    assert flags["model.decoder.embed_positions.weight"]
+    assert {n: p.requires_grad for n, p in build_meta_model(path).named_parameters()} == flags
