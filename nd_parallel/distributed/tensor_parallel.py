@@ -289,6 +289,7 @@ def check_model(model: nn.Module, config) -> None:
             "ParallelismConfig(tp_plan={'model.layers.*.mlp.up_proj': 'colwise', ...}) or use tp_size=1")
     check_module_types(model, overrides)
     check_param_entries(model, plan, config.tp_size)
+    moe.check_own_masks(model, match_plan(model, plan), config.tp_size)
     check_adapters(model, overrides, config.tp_size)
     if config.sequence_parallel is True:
         matched = expand_plan(model, _vocab_entries(model, plan, match_plan(model, plan), config.tp_size))

@@ -242,3 +242,20 @@ def region_scalars(model: nn.Module, matched: dict[str, str]) -> dict[str, str]:
             if name not in matched and params and all(p.numel() == 1 for p in params):
                 found[name] = "replicated_with_grad_allreduce"
     return found
+
+
+def check_own_masks(model: nn.Module, matched: dict[str, str], tp_size: int) -> None:
+    """Refuse, before any collective, an attention module that computes its own mask from its projections while
+    the plan splits them (Doge's dynamic mask from the values): the mask is built per head, and nothing in the
+    plan gives it only this rank's heads, so the attention would get another head count than its queries."""
+    from nd_parallel.models.attention_calls import computed_attention_masks
+
+    for name, module in model.named_modules():
+        masks = computed_attention_masks(type(module)) if hasattr(module, "forward") else []
+        split = [k for k in matched if k.startswith(name + ".")]
+        if masks and split:
+            raise NotImplementedError(
+                f"{name} ({type(module).__name__}) computes its own attention mask ({masks[0]}) from projections the "
+                f"tp_plan splits ({split[0]}: {matched[split[0]]}); with tp_size={tp_size} that mask would not hold "
+                f"only this rank's heads; use tp_size=1 for {type(model).__name__}, or a tp_plan that leaves "
+                f"{name}.* unsplit")

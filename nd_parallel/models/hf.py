@@ -11,12 +11,12 @@ list of family names, so a new family is understood the same way.
 from __future__ import annotations
 
 import ast
-import functools
-import inspect
-import textwrap
 from dataclasses import dataclass
 
 import torch.nn as nn
+
+from .attention_calls import attention_keywords
+from .source import forward_tree
 
 
 class UnsplittableModel(ValueError):
@@ -147,9 +147,15 @@ def model_parts(model: nn.Module) -> ModelParts:
 
 # --------------------------------------------------------------------------------- embeddings and head
 def embedding_and_head(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return emb, head
+    return _slot(model, "get_input_embeddings"), _slot(model, "get_output_embeddings")
+
+
+def _slot(model: nn.Module, getter: str) -> nn.Module | None:
+    # On a pipeline stage the getter may reach into a stand-in (ModernBERT-decoder's embeddings.tok_embeddings).
+    try:
+        return getattr(model, getter)() if hasattr(model, getter) else None
+    except AttributeError:
+        return None
 
 
 def shares_embedding(model: nn.Module) -> bool:
@@ -166,7 +172,7 @@ def ties_embeddings(model_or_config) -> bool:
 def slot_name(model: nn.Module, getter: str) -> str | None:
     """Module name of the input-embedding / output-head slot (``get_input_embeddings`` / ``get_output_embeddings``);
     a pipeline stage may hold a stand-in there."""
-    module = getattr(model, getter)() if hasattr(model, getter) else None
+    module = _slot(model, getter)
     if module is None:
         return None
     return next((n for n, m in model.named_modules() if m is module), None)
@@ -191,20 +197,9 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------ source reading
-@functools.lru_cache(maxsize=None)
-def _forward_tree(cls: type) -> ast.FunctionDef | None:
-    """The parsed source of ``cls.forward`` (decorators unwrapped), or None where it cannot be read."""
-    try:
-        source = textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
-        node = ast.parse(source).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-
-
 def _uses(module: nn.Module, names: list[str]) -> dict[str, list[tuple[int, int]]]:
     """Every (line, column) where ``module.forward``'s source uses ``self.<name>``, sorted, for the names it uses."""
-    tree = _forward_tree(type(module))
+    tree = forward_tree(type(module))
     found: dict[str, list[tuple[int, int]]] = {}
     for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
@@ -232,7 +227,7 @@ def outputs_modified_in_place(module: nn.Module) -> set[str]:
     """Children of ``module`` whose output its forward modifies in place (``out = self.shared_expert(x)`` then
     ``out.add_(...)``: llama4's MoE), read from the source. Under TP such an output is a view that DTensor's
     ``to_local`` returned, which autograd forbids modifying in place, so TP clones it. Empty where unreadable."""
-    tree = _forward_tree(type(module))
+    tree = forward_tree(type(module))
     if tree is None:
         return set()
     bound: dict[str, str] = {}  # local name -> the child whose call produced it
@@ -257,7 +252,7 @@ def output_arity(layer: nn.Module) -> int | None:
     A pipeline stage's stand-in for a layer it does not own must return the same shape of thing. None where the
     tuple is built at run time (``return (x,) + outputs``, or a name bound to a tuple: mvp, rwkv, trocr), whose
     length a stand-in cannot know."""
-    tree = _forward_tree(type(layer))
+    tree = forward_tree(type(layer))
     if tree is None:
         return 0
     returns = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
@@ -271,21 +266,6 @@ def output_arity(layer: nn.Module) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------ sequence mixing
-def attention_keywords(module_type: type) -> frozenset[str]:
-    """The keyword arguments ``module_type.forward`` itself passes to transformers' attention function (the callable
-    it takes from ``ALL_ATTENTION_FUNCTIONS``, by convention ``attention_interface``), read from its source."""
-    tree = _forward_tree(module_type)
-    if tree is None:
-        return frozenset()
-    names = {"attention_interface"}
-    for node in ast.walk(tree):  # whatever name the callable is bound to
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "ALL_ATTENTION_FUNCTIONS" in ast.dump(node.value or node):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return frozenset(k.arg for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                     and n.func.id in names for k in n.keywords if k.arg is not None)
-
-
 def _state_space_kernel(module: nn.Module) -> str | None:
     """A known kernel that mixes tokens outside the attention function: a recurrent / state-space /
     linear-attention scan, recognised by the decay it carries per head or channel (Mamba's and the gated delta

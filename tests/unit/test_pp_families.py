@@ -68,3 +68,56 @@ def test_layers_returning_a_tuple_built_at_run_time_are_refused(model_type, laye
     with pytest.raises(UnsplittableModel, match=rf"{layer}.forward returns a tuple whose length is decided at run "
                                                 r"time.*use pp_size=1"):
         validate_pipeline(model, ParallelismConfig(pp_size=2))
+
+
+def test_layers_wider_than_the_embeddings_get_embedding_shaped_zeros():
+    """DeepSeek-V4's hyper-connections pass [batch, seq, streams, hidden] between layers and expand the embeddings
+    into that themselves: a later stage hands the model zeros of the embeddings' shape, not of the activation's."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("deepseek_v4")).eval()
+    ids = torch.randint(3, 120, (2, 10))
+    parts = model_parts(model)
+    specs = split_stages(parts, 2)
+    skeletons = [make_stage_module(model, parts, spec, 2) for spec in specs]
+    x = ids
+    for skeleton in skeletons:
+        x = skeleton(x)
+    torch.testing.assert_close(x, model(input_ids=ids).logits, rtol=0, atol=1e-6)
+
+
+def test_layers_fed_from_the_token_ids_are_refused():
+    """Gemma-4's layers take per-layer embeddings of the token ids, which stages after the first do not have."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.distributed.pipeline import validate_pipeline
+    from nd_parallel.models.hf import UnsplittableModel
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("gemma4_text"))
+    with pytest.raises(UnsplittableModel, match=r"takes per_layer_input, which .* computes from the token ids.*"
+                                                r"use pp_size=1"):
+        validate_pipeline(model, ParallelismConfig(pp_size=2))
+
+
+def test_layers_handing_state_to_the_next_layer_are_refused():
+    """HY-V4's shared sparse-attention layers take the previous layer's top-k indices (``prev_topk_indices``):
+    stages pass only hidden states, so the split is refused up front, found from the base model's layer loop."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.distributed.pipeline import validate_pipeline
+    from nd_parallel.distributed.pipeline.stage import carried_layer_state
+    from nd_parallel.models.hf import UnsplittableModel
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("hy_v4"))
+    assert carried_layer_state(model.model) == ["prev_topk_indices=topk_indices"]
+    assert carried_layer_state(build("llama").model) == []
+    with pytest.raises(UnsplittableModel, match=r"HYV4Model's loop over its decoder layers hands each layer's output "
+                                                r"to the next.*prev_topk_indices.*use pp_size=1"):
+        validate_pipeline(model, ParallelismConfig(pp_size=2))

@@ -134,3 +134,25 @@ def test_the_orchestrators_checks_refuse_it_before_the_mesh():
     with pytest.raises(NotImplementedError, match=r"model.layers.1.conv.conv \(Conv1d: Conv1d over the sequence"):
         check_layout(model, CP2, "cpu")
     assert check_layout(model, ParallelismConfig(pp_size=2), "cpu") is None  # only CP is refused
+
+
+def test_an_attention_mask_computed_in_the_layer_is_refused_under_cp_and_tp():
+    """Doge's attention builds a dynamic mask from its value states and passes it as the mask: the ring builds its
+    masks from global positions, and under TP the mask's heads are not this rank's; both refused up front, found
+    from the attention's source (the mask passed is not the forward's own argument)."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.distributed.tensor_parallel import check_model as check_tp
+    from nd_parallel.models.attention_calls import computed_attention_masks
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("doge"))
+    attention = type(model.model.layers[0].self_attn)
+    assert computed_attention_masks(attention) == ("attn_mask",)
+    assert computed_attention_masks(type(build("llama").model.layers[0].self_attn)) == ()
+    with pytest.raises(NotImplementedError, match=r"DogeAttention computes its own attention mask \(attn_mask\).*"
+                                                  r"use cp_size=1"):
+        check_model(model, CP2, "cpu")
+    with pytest.raises(NotImplementedError, match=r"self_attn \(DogeAttention\) computes its own attention mask.*"
+                                                  r"tp_size=1"):
+        check_tp(model, ParallelismConfig(tp_size=2))

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from nd_parallel.models.hf import attention_keywords, find_layer_stack, sequence_mixers, text_config
+from nd_parallel.models.attention_calls import attention_keywords, computed_attention_masks
+from nd_parallel.models.hf import find_layer_stack, sequence_mixers, text_config
 
 from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index, unshard
 
@@ -249,6 +250,14 @@ def check_sequence_mixing(model: nn.Module) -> None:
             f"{name} mixes tokens along the sequence outside attention: {mixers[0]}{more}. Context parallelism "
             "splits the sequence over the cp ranks and would cut that mixing at every shard boundary, so it is "
             "refused for this model; use cp_size=1 (tp_size / pp_size / dp_shard_size split it instead)")
+    found = find_layer_stack(model)
+    for kind in {type(m) for m in (found[1].modules() if found else ())}:
+        masks = computed_attention_masks(kind)
+        if masks:
+            raise NotImplementedError(
+                f"{kind.__name__} computes its own attention mask ({masks[0]}) and passes it to its attention "
+                "function; the context-parallel kernels build masks from the global token positions and cannot "
+                f"split one computed from this rank's tokens; use cp_size=1 for {name}")
     for kind, keywords in _attention_inputs(model).items():
         unknown = sorted(keywords - HANDLED_KEYWORDS)
         if unknown:

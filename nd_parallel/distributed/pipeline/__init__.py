@@ -20,7 +20,7 @@ from ..loss import own_loss_unshifted
 from .balance import layer_counts
 from .schedules import SCHEDULES, check_microbatches
 from .split import split_stages, stage_ids_for_rank
-from .stage import check_stand_ins, make_stage_module
+from .stage import check_layer_inputs, check_stand_ins, make_stage_module
 from .torch_backend import PipelineLoss, PipelineModel
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ def validate_pipeline(model: nn.Module, config) -> None:
         check_model(model)
     else:
         check_stand_ins(model, parts)
+    check_layer_inputs(model, parts)
     if own_loss_unshifted(model):
         raise UnsplittableModel(
             f"{type(model).__name__}'s forward computes its own cross-entropy on unshifted labels, while the last "

@@ -10,13 +10,16 @@ Parameter names stay the HF names because the skeleton keeps the model's module 
 
 from __future__ import annotations
 
+import ast
 import copy
+import inspect
 from collections import OrderedDict
 
 import torch
 import torch.nn as nn
 
 from nd_parallel.models.hf import ModelParts, UnsplittableModel, output_arity
+from nd_parallel.models.source import forward_tree
 
 from .split import StageSpec
 
@@ -64,6 +67,52 @@ def check_stand_ins(model: nn.Module, parts: ModelParts) -> None:
             raise UnsplittableModel(
                 f"{type(layer).__name__}.forward returns a tuple whose length is decided at run time, so a pipeline "
                 f"stage cannot stand in for the layers it does not own; use pp_size=1 for {type(model).__name__}")
+
+
+# Decoder-layer arguments that the base model computes from the token ids, beside the hidden states (Gemma-3n/4's
+# per-layer embeddings): a later stage holds neither the ids nor the modules that embed them.
+_TOKEN_DERIVED_LAYER_INPUTS = ("per_layer_input", "per_layer_inputs")
+
+
+def carried_layer_state(base: nn.Module) -> list[str]:
+    """What ``base.forward``'s loop over its layers hands from one layer's outputs to the next layer's inputs besides
+    the hidden states (HY-V4's ``prev_topk_indices=topk_indices``), read from its source."""
+    tree = forward_tree(type(base))
+    carried = []
+    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
+        layer = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}  # the loop's layer variable
+        for node in ast.walk(loop):
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and isinstance(node.value.func, ast.Name) and node.value.func.id in layer
+                    and isinstance(node.targets[0], ast.Tuple)):
+                continue
+            outs = {e.id for e in node.targets[0].elts[1:] if isinstance(e, ast.Name)}
+            carried += [ast.unparse(k) for k in node.value.keywords if isinstance(k.value, ast.Name)
+                        and k.value.id in outs] + [a.id for a in node.value.args[1:] if isinstance(a, ast.Name)
+                                                   and a.id in outs]
+    return carried
+
+
+def check_layer_inputs(model: nn.Module, parts: ModelParts) -> None:
+    """Refuse, before any collective, a model whose decoder layers take a per-layer input computed from the token
+    ids by modules before the layer stack, or an output of the previous layer besides the hidden states: stages
+    after the first would feed their layers stand-in zeros, or nothing."""
+    base_fqn = parts.layers_fqn.rpartition(".")[0]
+    base = model.get_submodule(base_fqn) if base_fqn else model
+    carried = carried_layer_state(base)
+    if carried:
+        raise UnsplittableModel(
+            f"{type(base).__name__}'s loop over its decoder layers hands each layer's output to the next besides the "
+            f"hidden states ({carried[0]}); pipeline stages pass only the hidden states between them, so it is "
+            f"refused; use pp_size=1 for {type(model).__name__}")
+    for layer in {type(m): m for m in model.get_submodule(parts.layers_fqn)}.values():
+        params = inspect.signature(layer.forward).parameters
+        taken = [name for name in _TOKEN_DERIVED_LAYER_INPUTS if name in params]
+        if taken:
+            raise UnsplittableModel(
+                f"{type(layer).__name__}.forward takes {taken[0]}, which {type(model).__name__} computes from the "
+                "token ids before its decoder layers; pipeline stages after the first have only the previous "
+                "stage's hidden states, so they cannot compute it; use pp_size=1 for this model")
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -114,8 +163,10 @@ def build_skeleton(model: nn.Module, parts: ModelParts, spec: StageSpec, num_sta
 class StageRunner:
     """The forward of one stage, installed on its skeleton: model forward + activation injection."""
 
-    def __init__(self, skeleton: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int):
+    def __init__(self, skeleton: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int,
+                 embed_dim: int | None = None):
         self.is_first = spec.index == 0
+        self.embed_dim = embed_dim  # the width of inputs_embeds, which the activation between layers may not have
         self.is_last = spec.index == num_stages - 1
         self.causal_lm_forward = type(skeleton).forward.__get__(skeleton)
         base_fqn = parts.layers_fqn.rpartition(".")[0]
@@ -147,7 +198,7 @@ class StageRunner:
             # transformers needs *some* input to derive shapes, masks and positions; the real activation
             # replaces these zeros at the first owned layer (after any embedding scaling, which zeros ignore).
             self.injected = x
-            inputs = dict(inputs_embeds=torch.zeros_like(x))
+            inputs = dict(inputs_embeds=self._zero_embeddings(x))
         if self.is_last and self.loss is not None and self.loss.chunks():
             _, hidden = self.loss.head.run(**inputs, **common)
             if self.loss.head.enabled:  # the loss runs the head chunk by chunk (chunked_loss.py)
@@ -156,10 +207,20 @@ class StageRunner:
             return self.causal_lm_forward(**inputs, **common).logits
         return self.base(**inputs, **common).last_hidden_state
 
+    def _zero_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """Zeros in the shape of the embeddings, [batch, seq, embed_dim]. Between layers most families pass that
+        shape on, but some widen it (DeepSeek-V4's hyper-connections pass [batch, seq, streams, hidden] and expand
+        the embeddings into it themselves)."""
+        if self.embed_dim is None or (x.dim() == 3 and x.shape[-1] == self.embed_dim):
+            return torch.zeros_like(x)
+        return x.new_zeros(x.shape[0], x.shape[1], self.embed_dim)
+
 
 def make_stage_module(model: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int) -> nn.Module:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed_dim = getattr(emb, "embedding_dim", None)
     skeleton = build_skeleton(model, parts, spec, num_stages)
-    runner = StageRunner(skeleton, parts, spec, num_stages)
+    runner = StageRunner(skeleton, parts, spec, num_stages, embed_dim if isinstance(embed_dim, int) else None)
     skeleton.forward = runner  # instance attribute: nn.Module.__call__ runs it, hooks (FSDP's too) still fire
     skeleton._nd_stage_runner = runner
     return skeleton
