@@ -121,3 +121,22 @@ def test_layers_handing_state_to_the_next_layer_are_refused():
     with pytest.raises(UnsplittableModel, match=r"HYV4Model's loop over its decoder layers hands each layer's output "
                                                 r"to the next.*prev_topk_indices.*use pp_size=1"):
         validate_pipeline(model, ParallelismConfig(pp_size=2))
+
+
+def test_layers_fed_a_copy_of_the_embeddings_are_refused():
+    """Zamba2 hands every layer ``original_hidden_states`` (a clone of the embeddings): a later stage would feed
+    its layers the stand-in zeros, a silent difference; refused up front, from the base model's source."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.distributed.pipeline import validate_pipeline
+    from nd_parallel.distributed.pipeline.stage import embeddings_fed_to_layers
+    from nd_parallel.models.hf import UnsplittableModel
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("zamba2"))
+    assert embeddings_fed_to_layers(model.model) == ["original_hidden_states"]
+    assert embeddings_fed_to_layers(build("llama").model) == []
+    with pytest.raises(UnsplittableModel, match=r"Zamba2Model hands its decoder layers a copy of the embeddings "
+                                                r"\(original_hidden_states\).*use pp_size=1"):
+        validate_pipeline(model, ParallelismConfig(pp_size=2))

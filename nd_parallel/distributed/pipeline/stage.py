@@ -93,12 +93,40 @@ def carried_layer_state(base: nn.Module) -> list[str]:
     return carried
 
 
+def embeddings_fed_to_layers(base: nn.Module) -> list[str]:
+    """Copies of the embeddings that ``base.forward`` hands every decoder layer beside the hidden states (Zamba's
+    ``original_hidden_states = torch.clone(inputs_embeds)``), read from its source."""
+    tree = forward_tree(type(base))
+    copies, given = set(), set()
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and \
+                    value.func.attr in ("clone", "detach", "contiguous"):
+                value = value.args[0] if value.args else value.func.value  # torch.clone(x) or x.clone()
+            if isinstance(value, ast.Name) and value.id == "inputs_embeds" and node.targets[0].id != "hidden_states":
+                copies.add(node.targets[0].id)
+        if isinstance(node, ast.For):
+            layer = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                     and c.func.id in layer]
+            given |= {a.id for c in calls for a in (*c.args[1:], *(k.value for k in c.keywords))
+                      if isinstance(a, ast.Name)}
+    return sorted(copies & given)
+
+
 def check_layer_inputs(model: nn.Module, parts: ModelParts) -> None:
     """Refuse, before any collective, a model whose decoder layers take a per-layer input computed from the token
     ids by modules before the layer stack, or an output of the previous layer besides the hidden states: stages
     after the first would feed their layers stand-in zeros, or nothing."""
     base_fqn = parts.layers_fqn.rpartition(".")[0]
     base = model.get_submodule(base_fqn) if base_fqn else model
+    fed = embeddings_fed_to_layers(base)
+    if fed:
+        raise UnsplittableModel(
+            f"{type(base).__name__} hands its decoder layers a copy of the embeddings ({fed[0]}) beside the hidden "
+            "states; pipeline stages after the first have only the previous stage's hidden states, so it is "
+            f"refused; use pp_size=1 for {type(model).__name__}")
     carried = carried_layer_state(base)
     if carried:
         raise UnsplittableModel(
