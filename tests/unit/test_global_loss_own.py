@@ -50,3 +50,14 @@ def test_chunked_loss_leaves_an_own_unshifted_loss_alone():
     chunked = ChunkedLoss(model, 4)
     assert not chunked.head.enabled
     assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+
+
+def test_an_own_loss_in_a_head_module_is_found():
+    """XLM hands its labels to ``pred_layer``, whose forward computes the unshifted cross-entropy."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.distributed.loss import own_loss_unshifted
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    assert own_loss_unshifted(AutoModelForCausalLM.from_config(tiny_sweep_config("xlm")))
+    assert not own_loss_unshifted(AutoModelForCausalLM.from_config(tiny_sweep_config("llama")))
