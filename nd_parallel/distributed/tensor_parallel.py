@@ -359,6 +359,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan_overrides: dict[str,
         )
     check_param_entries(model, plan, tp_size)
     matched = match_plan(model, plan)
+    matched = {**moe.per_head_norms(model, matched), **matched}
     params = match_params(model, plan)
     if not matched:
         raise ValueError(

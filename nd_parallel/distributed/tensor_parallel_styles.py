@@ -22,6 +22,7 @@ parameter; the module that owns it must run its forward on local shards (``moe_t
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn as nn
@@ -259,3 +260,56 @@ def check_own_masks(model: nn.Module, matched: dict[str, str], tp_size: int) -> 
                 f"tp_plan splits ({split[0]}: {matched[split[0]]}); with tp_size={tp_size} that mask would not hold "
                 f"only this rank's heads; use tp_size=1 for {type(model).__name__}, or a tp_plan that leaves "
                 f"{name}.* unsplit")
+
+
+def per_head_norms(model: nn.Module, matched: dict[str, str]) -> dict[str, str]:
+    """Per-head norms a model's plan leaves out (SarvamMoE's q_norm / k_norm, where Qwen3's plan names its own):
+    a one-input module beside "colwise" projections (their output stays split over the heads) whose only
+    parameter is a ``[head_dim]`` weight normalises this rank's heads, so its gradient is a partial sum over tp;
+    it gets Qwen3's style, which all-reduces it."""
+    from nd_parallel.models.hf import text_config
+
+    text = text_config(model)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    found = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        weights = [p for _, p in module.named_parameters(recurse=False)]
+        # "colwise" leaves its output split over the heads (colwise_rep / _gather_output replicate it).
+        split = {key.rpartition(".")[2] for key, style in matched.items()
+                 if style == "colwise" and key.rpartition(".")[0] == parent}
+        if name not in matched and split and len(weights) == 1 and weights[0].shape == (head_dim,) and \
+                len(inspect.signature(module.forward).parameters) == 1 and \
+                _fed_by(type(model.get_submodule(parent)), name.rpartition(".")[2], split):
+            found[name] = "replicated_with_grad_allreduce"
+    return found
+
+
+def _fed_by(parent: type, child: str, producers: set[str]) -> bool:
+    """Whether ``parent.forward`` calls ``self.<child>`` on the output of one of ``self.<producers>`` (directly,
+    or through the variables it assigns), read from its source."""
+    import ast
+
+    from nd_parallel.models.source import forward_tree
+
+    tree = forward_tree(parent)
+    if tree is None:
+        return False
+
+    def uses(node) -> set[str]:  # self.<attr> and variable names an expression reads
+        return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id == "self"} | {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+    reads: dict[str, set[str]] = {}
+    for _ in range(3):  # variables of variables: a few assignments deep
+        for node in (n for n in ast.walk(tree) if isinstance(n, ast.Assign)):
+            for target in (t for t in node.targets if isinstance(t, ast.Name)):
+                read = uses(node.value)
+                deeper = set().union(*(reads.get(v, set()) for v in read))
+                reads[target.id] = reads.get(target.id, set()) | read | deeper
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+        if call.func.attr == child and isinstance(call.func.value, ast.Name) and call.func.value.id == "self":
+            read = set().union(*(uses(a) for a in call.args))
+            if (read | set().union(*(reads.get(v, set()) for v in read))) & producers:
+                return True
+    return False

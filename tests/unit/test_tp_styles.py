@@ -163,3 +163,24 @@ def test_scalar_parameters_inside_a_tp_region_get_their_gradient_all_reduced():
         matched = match_plan(model, resolve_plan(model, None))
         added = {n for n, s in matched.items() if s == "replicated_with_grad_allreduce" and "norm" not in n}
         assert added == expected, (model_type, added)
+
+
+def test_per_head_norms_the_plan_leaves_out_get_their_gradient_all_reduced():
+    """Glm4Moe-style attention with use_qk_norm (SarvamMoE; GLM-4.5's checkpoints turn it on) normalises each
+    head of q_proj's "colwise" output with q_norm / k_norm, which its plan does not name: their gradient is a
+    partial sum over tp and gets Qwen3's style. A norm on a gathered output (MiniMax-M3's colwise_gather_output)
+    or on a projection the plan does not split (an MLA kv_a_layernorm) is left alone."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.distributed.tensor_parallel import match_plan, resolve_plan
+    from nd_parallel.distributed.tensor_parallel_styles import per_head_norms
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    def found(model_type, **overrides):
+        model = AutoModelForCausalLM.from_config(tiny_sweep_config(model_type, **overrides))
+        return sorted(per_head_norms(model, match_plan(model, resolve_plan(model, None))))
+
+    assert found("sarvam_moe")[:2] == ["model.layers.0.self_attn.k_norm", "model.layers.0.self_attn.q_norm"]
+    assert found("glm4_moe", use_qk_norm=True)[:2] == ["model.layers.0.self_attn.k_norm",
+                                                        "model.layers.0.self_attn.q_norm"]
+    assert found("glm4_moe") == found("qwen3") == found("minimax_m3_vl_text") == found("deepseek_v3") == []
