@@ -8,10 +8,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from nd_parallel.models.hf import decoder_layers
-from nd_parallel.models.moe import num_experts
 from nd_parallel.models.quantized import quantized_params
 
 logger = logging.getLogger(__name__)
@@ -47,10 +45,7 @@ def apply_fsdp(
     layers = decoder_layers(model)
     for module in experts:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mesh=expert_mesh))
-    routed = num_experts(model) is not None
     for layer in layers:
-        if routed:  # before fully_shard: its post-forward hook must see the output this hook returns
-            layer.register_forward_hook(_every_parameter_gets_a_gradient)
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root keeps embeddings, final norm and lm_head (tied or not) in one group; they are needed first in
     # backward, so they are not resharded after forward.
@@ -64,21 +59,3 @@ def apply_fsdp(
     logger.info("applied %s over %s ranks to %d layers + root%s", kind, "x".join(map(str, dp_mesh.shape)), len(layers),
                 ", parameters offloaded to host memory" if offload_params else "")
     return len(groups)
-
-
-def _every_parameter_gets_a_gradient(module: nn.Module, args, output):
-    """Make the layer's output depend, by a term of exactly zero, on every trainable parameter of the layer.
-
-    FSDP2 reduce-scatters only the parameters that got a gradient, and in a mixture-of-experts layer which experts
-    get one depends on this rank's routing: a rank whose tokens all went elsewhere (LongCat's identity experts, an
-    expert no token chose) would reduce-scatter fewer bytes than its peers, a collective mismatch that aborts the
-    job. With this term every rank's every parameter gets a gradient (0 where it was unused); values and gradients
-    are unchanged (x + 0 * finite == x). DTensor parameters and outputs (tensor parallelism) are left alone."""
-    out = output[0] if isinstance(output, tuple) else output
-    if not isinstance(out, torch.Tensor) or isinstance(out, DTensor) or not torch.is_grad_enabled():
-        return None
-    pieces = [p.reshape(-1)[:1] for p in module.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-    if not pieces:
-        return None
-    out = out + (torch.cat([x.to(out.dtype) for x in pieces]).sum() * 0)
-    return (out, *output[1:]) if isinstance(output, tuple) else out
