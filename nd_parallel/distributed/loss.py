@@ -68,24 +68,29 @@ def _accepts_num_items(model: nn.Module) -> bool:
 
 def own_loss_unshifted(model: nn.Module) -> bool:
     """Whether the model's forward computes its own cross-entropy on *unshifted* labels (bart, blenderbot,
-    bigbird_pegasus, cpmant: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``; XLM in its ``pred_layer``):
+    bigbird_pegasus, cpmant: ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))``; XLM in its ``pred_layer``,
+    ProphetNet in its ``_compute_loss``):
     every label token counts, the first one too, where transformers' causal-LM loss shifts them. Read from the
-    forward source of the class and of its direct children."""
+    source of the class and the forward of its direct children."""
     if _accepts_num_items(model):
         return False
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # The model's forward, or a head module it hands the labels to (XLM's pred_layer computes the loss).
+    # The model's forward and the methods it calls (ProphetNet's _compute_loss), or those of a head module it hands
+    # the labels to (XLM's pred_layer).
     return any(_unshifted_cross_entropy(type(m)) for m in (base, *base.children()))
 
 
 def _unshifted_cross_entropy(cls: type) -> bool:
     try:
         source = inspect.getsource(cls.forward)
+        # and the class's own methods the forward calls (self._compute_loss(...))
+        called = (getattr(cls, name, None) for name in dict.fromkeys(re.findall(r"self\.(\w+)\(", source)))
+        source += "".join(inspect.getsource(f) for f in called if inspect.isfunction(f))
     except (OSError, TypeError):
         return False
-    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("#", "`", "[")))
-    shifts = re.search(r"shift_(logits|labels)|\[\s*(\.\.\.|:)\s*,\s*(:-1|1:)", code)
-    return re.search(r"CrossEntropyLoss\(|\bcross_entropy\(", code) is not None and shifts is None
+    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("#", "`", "[", ">>>")))
+    shifts = re.search(r"shift_(logits|labels)|\b(logits|labels)\[\s*(\.\.\.|:)\s*,\s*(:-1|1:)", code)
+    return re.search(r"CrossEntropyLoss\(|\bcross_entropy\(|\bnll_loss\(", code) is not None and shifts is None
 
 
 class GlobalTokenLoss:

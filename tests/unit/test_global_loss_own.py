@@ -53,11 +53,13 @@ def test_chunked_loss_leaves_an_own_unshifted_loss_alone():
 
 
 def test_an_own_loss_in_a_head_module_is_found():
-    """XLM hands its labels to ``pred_layer``, whose forward computes the unshifted cross-entropy."""
+    """XLM hands its labels to ``pred_layer``, whose forward computes the unshifted cross-entropy; ProphetNet's
+    forward calls its own ``_compute_loss`` (an NLL over every label token)."""
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.distributed.loss import own_loss_unshifted
     from nd_parallel.testing.tiny_configs import tiny_sweep_config
 
     assert own_loss_unshifted(AutoModelForCausalLM.from_config(tiny_sweep_config("xlm")))
+    assert own_loss_unshifted(AutoModelForCausalLM.from_config(tiny_sweep_config("prophetnet")))  # _compute_loss
     assert not own_loss_unshifted(AutoModelForCausalLM.from_config(tiny_sweep_config("llama")))
