@@ -11,6 +11,7 @@ list of family names, so a new family is understood the same way.
 from __future__ import annotations
 
 import ast
+import inspect
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -138,10 +139,12 @@ def model_parts(model: nn.Module) -> ModelParts:
     for name, child in model.named_children():
         if not (parent_fqn == name or parent_fqn.startswith(name + ".")) and _has_params(child):
             post.append(name)
-    if not pre:
+    if not pre or "inputs_embeds" not in inspect.signature(parent.forward).parameters:
+        # (RemBERT's encoder holds an input projection but takes hidden_states: the embeddings are outside it.)
         raise UnsplittableModel(
-            f"{type(model).__name__}: found no embedding before {layers_fqn}; nd_parallel splits decoder-only "
-            "causal LMs (embeddings -> layers -> norm -> head); use pp_size=1 for this model")
+            f"{type(model).__name__}: found no embedding before {layers_fqn} in {type(parent).__name__}, whose "
+            "forward the stages run; nd_parallel splits decoder-only causal LMs (embeddings -> layers -> norm -> "
+            "head); use pp_size=1 for this model")
     return ModelParts(tuple(pre), layers_fqn, len(layers), tuple(post), tuple(shared))
 
 

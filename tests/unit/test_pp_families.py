@@ -140,3 +140,16 @@ def test_layers_fed_a_copy_of_the_embeddings_are_refused():
     with pytest.raises(UnsplittableModel, match=r"Zamba2Model hands its decoder layers a copy of the embeddings "
                                                 r"\(original_hidden_states\).*use pp_size=1"):
         validate_pipeline(model, ParallelismConfig(pp_size=2))
+
+
+def test_stand_ins_keep_the_attributes_the_loop_reads():
+    """NemotronH's loop reads ``block_type`` from every layer to pick its mask, stand-ins included."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.tiny_configs import tiny_sweep_config
+
+    model = AutoModelForCausalLM.from_config(tiny_sweep_config("nemotron_h"))
+    parts = model_parts(model)
+    layer = model.get_submodule(parts.layers_fqn)[0]
+    stand_in = PassThrough(output_arity(layer), layer)
+    assert stand_in.block_type == layer.block_type and not list(stand_in.parameters())

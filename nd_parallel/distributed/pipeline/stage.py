@@ -29,9 +29,15 @@ class PassThrough(nn.Module):
     the real layer returns them (a bare tensor, or first of an n-tuple for families whose loop reads
     ``outputs[0]``; ``hf.output_arity``)."""
 
-    def __init__(self, arity: int = 0):
+    def __init__(self, arity: int = 0, layer: nn.Module | None = None):
         super().__init__()
         self.arity = arity
+        # The plain attributes the model's loop may read from a layer (NemotronH's block_type, a layer_type or
+        # attention_type that picks the mask), copied from the layer it stands in for.
+        plain = (str, int, float, bool, type(None))
+        for name, value in (vars(layer).items() if layer is not None else ()):
+            if not name.startswith("_") and name not in ("training", "arity") and isinstance(value, plain):
+                setattr(self, name, value)
 
     def forward(self, hidden_states, *args, **kwargs):
         if self.arity:
@@ -177,7 +183,7 @@ def build_skeleton(model: nn.Module, parts: ModelParts, spec: StageSpec, num_sta
     layers = _copy_path(skeleton, parts.layers_fqn + ".x")  # the ModuleList itself, privately copied
     for i in range(parts.num_layers):
         if i not in owned:
-            layers._modules[str(i)] = PassThrough(output_arity(layers[i]))
+            layers._modules[str(i)] = PassThrough(output_arity(layers[i]), layers[i])
     if spec.index != 0:
         dtype = next(model.parameters()).dtype
         for fqn in parts.pre:
