@@ -91,9 +91,10 @@ REFUSED = {
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 
-# Keys in Axolotl's own examples that Axolotl does not read either (not in its schema): what the author meant.
-UNREAD = {"eta_min": "Axolotl does not read eta_min either (its cosine decays to 0); for a floor write "
-                     "cosine_min_lr_ratio: <eta_min / learning_rate>, or drop it"}
+# Keys in Axolotl's own examples that Axolotl does not read (not in its schema, which drops unknown keys): accepted,
+# as they change nothing there either, with one line saying what the author probably meant.
+UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays to 0, as here; for a floor write "
+                     "cosine_min_lr_ratio: <eta_min / learning_rate>"}
 
 
 def is_logging(key: str) -> bool:

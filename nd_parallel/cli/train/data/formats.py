@@ -1,7 +1,8 @@
 """Record -> (input_ids, labels) for each dataset `type`, with Axolotl's meanings; used with `Dataset.map`.
 
 - completion: the whole text is trained on; cut to sequence_len.
-- alpaca: Axolotl's Alpaca prompt; only the response (and EOS) is trained on unless train_on_inputs.
+- alpaca, alpaca:<style>, alpaca_chat, jeopardy[:<style>]: Axolotl's instruction prompts (instructions.py); only
+  the response (and EOS) is trained on unless train_on_inputs.
 - chat_template: the chat template (the tokenizer's, or a named one: templates.py) renders the conversation; the
   content of the turns of roles_to_train (assistant by default) is trained on, and the end-of-turn / eos token
   after it per train_on_eos (Axolotl's rules, `_labels`).
@@ -15,13 +16,9 @@ from __future__ import annotations
 from nd_parallel.config import ConfigError
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
+from . import instructions
 from .sources import DatasetSpec
 
-ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
-          "Write a response that appropriately completes the request.\n\n"
-          "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 
 
 def _field(record: dict, key: str, where: str, i: int, fix: str):
@@ -60,21 +57,24 @@ def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, 
             return out
 
         return text
-    if spec.type == "alpaca":
-        return lambda batch, indices: _alpaca(batch, indices, tokenizer, where, train_on_inputs)
+    kind = instructions.parse(spec.type)
+    if kind is not None:
+        return lambda batch, indices: _instruction(batch, indices, kind, tokenizer, where, train_on_inputs)
     return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens)
 
 
-def _alpaca(batch, indices, tokenizer, where: str, train_on_inputs: bool) -> dict:
+def _instruction(batch, indices, kind: tuple[str, str], tokenizer, where: str, train_on_inputs: bool) -> dict:
+    base, style = kind
+    instruction_key, input_key, response_key, lead, needs_input = instructions.RECORDS[base]
     out = {"input_ids": [], "labels": []}
-    fix = "alpaca records need instruction, output and optionally input; fix the record or pick another type"
+    wanted = f"{instruction_key}, {response_key} and {'' if needs_input else 'optionally '}{input_key}"
+    fix = f"{base} records need {wanted}; fix the record or pick another type"
     for i, rec in zip(indices, _records(batch)):
-        instruction = _field(rec, "instruction", where, i, fix)
-        response = _field(rec, "output", where, i, fix)
-        extra = rec.get("input") or ""
-        prompt = (ALPACA if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        answer = _with_eos(tokenizer(str(response), add_special_tokens=False)["input_ids"], tokenizer)
+        instruction = _field(rec, instruction_key, where, i, fix)
+        response = lead + str(_field(rec, response_key, where, i, fix))
+        extra = _field(rec, input_key, where, i, fix) if needs_input else rec.get(input_key) or ""
+        prompt_ids = tokenizer(instructions.prompt(style, instruction, str(extra)))["input_ids"]
+        answer = _with_eos(tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer)
         out["input_ids"].append(prompt_ids + answer)
         out["labels"].append((prompt_ids if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)) + answer)
     return out
