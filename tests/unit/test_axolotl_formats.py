@@ -1,6 +1,7 @@
-"""Axolotl's instruction record types (`alpaca:<style>`, `alpaca_chat`, `jeopardy`), `dataset_exact_deduplication`
-and `eta_min`, read by `nd-parallel train` in one process (no ranks): the same tokens and labels as Axolotl 0.19's
-own strategies (when its venv is there), what each style writes, and the refusals with their fix."""
+"""Axolotl's instruction record types (`alpaca:<style>`, `alpaca_chat`, `jeopardy`), `dataset_exact_deduplication`,
+`eta_min` and `chat_template: gemma4_unified`, read by `nd-parallel train` in one process (no ranks): the same
+tokens and labels as Axolotl 0.19's own strategies (when its venv is there), what each style writes, and the
+refusals with their fix."""
 
 import json
 import os
@@ -54,7 +55,8 @@ def test_instruction_types_tokenize_as_axolotl(data, tmp_path):
     request = {"model": data["model"], "len": 1024, **{k: json.loads(Path(data[k]).read_text())
                                                        for k in ("alpaca", "jeopardy")}}
     (tmp_path / "records.json").write_text(json.dumps(request))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
     out = subprocess.run([str(AXOLOTL_PYTHON), str(Path(__file__).with_name("axolotl_prompt_dump.py")),
                           str(tmp_path / "records.json")], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -134,3 +136,11 @@ def test_eta_min_is_accepted_as_axolotl_drops_it(tmp_path, data):
     cfg = _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], eta_min=7e-7, lr_scheduler="cosine")
     assert "eta_min" in cfg.unused and cfg.cosine_min_lr_ratio is None
     assert any(n.startswith("eta_min: not an Axolotl key: Axolotl drops it") for n in cfg.notes), cfg.notes
+
+
+def test_gemma4_unified_is_the_gemma4_template():
+    """Axolotl 0.19 ships gemma4_unified.jinja as a copy of gemma4.jinja: a text conversation renders the same."""
+    from nd_parallel.cli.train.data.templates import FORMATS, jinja, template_problem
+
+    assert template_problem("gemma4_unified") is None and jinja(FORMATS["gemma4_unified"]) == jinja(FORMATS["gemma4"])
+    assert "renders images/audio" in template_problem("llava")

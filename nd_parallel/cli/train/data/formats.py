@@ -20,7 +20,6 @@ from . import instructions
 from .sources import DatasetSpec
 
 
-
 def _field(record: dict, key: str, where: str, i: int, fix: str):
     value = record.get(key)
     if value is None:
