@@ -1,7 +1,7 @@
 """The test YAMLs of tests/axolotl_configs/ TRAIN on 2 CPU ranks under the layout each names (FSDP2, DDP, TP2, PP2,
 CP2; a DeepSpeed json or FSDP1 list runs as FSDP2), each on a tiny local model of the family it names and synthetic
 local data in the record format its dataset `type` expects: chat templates, Alpaca (and its other prompt styles,
-Jeopardy), completion, pretraining.
+Jeopardy), completion, pretraining, pre-tokenized records.
 
 All runs share ONE 2-rank launch (2 optimizer steps each), built exactly as `nd-parallel train` builds them, with
 the working directory at a folder that holds the YAMLs' relative paths (./models/<family>, ./data/..., as Axolotl
@@ -65,6 +65,10 @@ def _write_workspace(root: Path) -> None:
     (data / "alpaca.json").write_text(json.dumps(alpaca))
     jeopardy = [{"question": r["instruction"], "category": r["input"], "answer": r["output"]} for r in alpaca]
     (data / "jeopardy.json").write_text(json.dumps(jeopardy))
+    tokenized = [tokenizer(t)["input_ids"] for t in lines[120:160]]  # Axolotl's `type:` left empty
+    (data / "tokenized.jsonl").write_text("".join(json.dumps({"input_ids": ids, "labels": [-100] * 3 + ids[3:],
+                                                              "attention_mask": [1] * len(ids)}) + "\n"
+                                                  for ids in tokenized))
     share, msgs = [], []
     for i in range(0, 120, 4):
         turns = [("system", "be brief"), ("user", lines[i]), ("assistant", lines[i + 1]), ("user", lines[i + 2]),

@@ -144,3 +144,32 @@ def test_gemma4_unified_is_the_gemma4_template():
 
     assert template_problem("gemma4_unified") is None and jinja(FORMATS["gemma4_unified"]) == jinja(FORMATS["gemma4"])
     assert "renders images/audio" in template_problem("llava")
+
+
+def test_pretokenized_records_are_used_as_they_are(tmp_path, data):
+    """Axolotl's `type:` left empty: input_ids / labels taken as written (only the length filters apply)."""
+    from nd_parallel.cli.train.data import load_prepared, prepare
+
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "attention_mask": [1] * 4},
+            {"input_ids": [9, 10, 11], "labels": [9, 10, 11]}, {"input_ids": [12], "labels": [12]}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(tmp_path, data, [{"path": str(tmp_path / "t.jsonl"), "type": None}])
+    assert cfg.datasets[0].type == "tokenized"
+    prepared = prepare(cfg, tmp_path / "work")
+    train, _, _ = load_prepared(prepared.path)
+    assert [r["input_ids"] for r in train] == [[5, 6, 7, 8], [9, 10, 11]]  # one token < min_sample_len: dropped
+    assert [r["labels"] for r in train] == [[-100, -100, 7, 8], [9, 10, 11]]
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"input_ids": [5, 6, 7], "labels": [5, 6]}, "input_ids and labels must be lists of the same length "
+                                                 r"\(got 3 and 2\)"),
+    ({"input_ids": [5, 6, 7]}, r"no 'labels' field \(it has input_ids\); pre-tokenized records"),
+    ({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "attention_mask": [1, 1, 0]},
+     "attention_mask must be all ones over input_ids")])
+def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
+    from nd_parallel.cli.train.data import prepare
+
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=r"t\.jsonl, record 0: " + match):
+        prepare(_config(tmp_path, data, [{"path": str(tmp_path / "t.jsonl"), "type": None}]), tmp_path / "work")

@@ -117,6 +117,8 @@ def prepare(cfg, workdir: str | os.PathLike) -> Prepared:
         ds, line = _tokenized(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
         parts.append(ds)
         lines.append(line)
+    # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)
+    parts = [parts[0], *(p.cast(parts[0].features) for p in parts[1:])]
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if cfg.shuffle_merged_datasets and len(parts) > 1:
         merged = merged.shuffle(seed=cfg.seed)

@@ -7,6 +7,7 @@
   content of the turns of roles_to_train (assistant by default) is trained on, and the end-of-turn / eos token
   after it per train_on_eos (Axolotl's rules, `_labels`).
 - pretraining: texts joined with EOS and cut into sequence_len blocks, every token trained on.
+- tokenized (Axolotl's `type:` left empty): records that already hold input_ids and labels, used as they are.
 
 A bad record raises ConfigError naming the file, the record and the fix (map runs in the parent, before any rank).
 """
@@ -56,10 +57,36 @@ def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, 
             return out
 
         return text
+    if spec.type == "tokenized":
+        return lambda batch, indices: _pretokenized(batch, indices, where)
     kind = instructions.parse(spec.type)
     if kind is not None:
         return lambda batch, indices: _instruction(batch, indices, kind, tokenizer, where, train_on_inputs)
     return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens)
+
+
+def _pretokenized(batch, indices, where: str) -> dict:
+    """Axolotl's `type:` left empty: records already hold input_ids, labels (and attention_mask), used as they are
+    (Axolotl passes such a dataset through untouched; only the length filters apply)."""
+    out = {"input_ids": [], "labels": []}
+    fix = "pre-tokenized records (type: left empty) need input_ids and labels lists of the same length"
+    for i, rec in zip(indices, _records(batch)):
+        ids, labels = _field(rec, "input_ids", where, i, fix), _field(rec, "labels", where, i, fix)
+        mask = rec.get("attention_mask")
+        if not isinstance(ids, list) or not isinstance(labels, list) or len(ids) != len(labels):
+            raise ConfigError(f"{where}, record {i}: input_ids and labels must be lists of the same length (got "
+                              f"{_length(ids)} and {_length(labels)}); {fix}")
+        if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids) or not all(mask)):
+            raise ConfigError(f"{where}, record {i}: attention_mask must be all ones over input_ids (padding inside "
+                              "a sample is not supported: samples are batched and packed here); strip the padding "
+                              "from input_ids, labels and attention_mask")
+        out["input_ids"].append([int(t) for t in ids])
+        out["labels"].append([int(t) for t in labels])
+    return out
+
+
+def _length(value) -> str:
+    return str(len(value)) if isinstance(value, list) else type(value).__name__
 
 
 def _instruction(batch, indices, kind: tuple[str, str], tokenizer, where: str, train_on_inputs: bool) -> dict:

@@ -17,7 +17,7 @@ from nd_parallel.config import ConfigError
 
 from . import instructions
 
-TYPES = ("completion", "alpaca", "chat_template", "pretraining")
+TYPES = ("completion", "alpaca", "chat_template", "pretraining", "tokenized")
 # Axolotl's instruction types besides alpaca (instructions.py): alpaca:<style>, alpaca_chat, jeopardy[:<style>].
 INSTRUCTION_TYPES = ("alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "jeopardy")
 # Axolotl's names for the same formats.
@@ -43,7 +43,7 @@ class DatasetSpec:
     """Local file or directory (json/jsonl/parquet/csv/arrow/txt files, or a `save_to_disk` directory)."""
     type: str = "completion"
     """completion | alpaca (alpaca:<style>, alpaca_chat, jeopardy[:<style>]) | chat_template | pretraining
-    (Axolotl's meanings)."""
+    (Axolotl's meanings) | tokenized (Axolotl's `type:` left empty: records with input_ids and labels)."""
     ds_type: str | None = None
     """json | parquet | csv | arrow | text; default: from the file extension."""
     split: str = "train"
@@ -148,6 +148,8 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if unknown:  # all of them, one line each (the one message)
         raise ConfigError(f"{path}: " + "\n  - ".join(unknown))
     kind = entry.get("type", "completion")
+    if kind is None:  # Axolotl: `type:` left empty reads a dataset that is already tokenized
+        kind = entry["type"] = "tokenized"
     known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind))
     if not known:
         fix = instructions.problem(kind) if isinstance(kind, str) else None
