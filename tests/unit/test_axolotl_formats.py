@@ -173,3 +173,17 @@ def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
     (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(ConfigError, match=r"t\.jsonl, record 0: " + match):
         prepare(_config(tmp_path, data, [{"path": str(tmp_path / "t.jsonl"), "type": None}]), tmp_path / "work")
+
+
+def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, data):
+    """Keys Axolotl's examples use that came after 0.19, and streaming / early stopping: one message, each with its
+    reason (not the generic unknown-key list)."""
+    keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
+                llmcompressor={"recipe": {}}, streaming=True, early_stopping_patience=3)
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
+    message = str(err.value)
+    assert "6 setting(s) cannot be used" in message and "valid keys are" not in message, message
+    for needle in ("pre-quantized checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
+                   "llm-compressor recipes", "nothing is streamed", "Axolotl also requires save_steps and eval_steps"):
+        assert needle in message, (needle, message)

@@ -47,7 +47,11 @@ REFUSED = {
     "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "early_stopping_patience": "drop it (no early stopping); set max_steps or num_epochs",
+    "early_stopping_patience": "early stopping (and the best-checkpoint reload it needs) is not implemented: drop it "
+                               "and set max_steps or num_epochs (Axolotl also requires save_steps and eval_steps "
+                               "with it)",
+    "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "
+                 "drop it (max_steps works without it)",
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",
@@ -88,6 +92,19 @@ REFUSED = {
                "use bf16: true",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
+    # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
+    "nvfp4_merge_aware": "NVFP4 fake-quantized training of a pre-quantized NVFP4 checkpoint's experts is not "
+                         "supported (pre-quantized checkpoints are not loaded): use the unquantized checkpoint with "
+                         "adapter: lora",
+    "nvfp4_merge_aware_start_step": "belongs to nvfp4_merge_aware (NVFP4 fake-quantized training), not supported",
+    "dsv4_fp4_grouped_mode": "FP4 grouped expert kernels for a pre-quantized checkpoint are not supported (such "
+                             "checkpoints are not loaded): use the unquantized checkpoint",
+    "use_dsv4_kernels": "Axolotl's fused DeepSeek-V4 Triton kernels are not part of nd-parallel train: drop it "
+                        "(the model's own transformers forward runs)",
+    "use_glm_dsa_kernels": "Axolotl's fused GLM DSA attention kernels are not part of nd-parallel train: drop it "
+                           "(the model's own transformers attention runs)",
+    "llmcompressor": "sparse fine-tuning with llm-compressor recipes (pruning masks kept during training) is not "
+                     "implemented: " + _PLUGIN,
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 
