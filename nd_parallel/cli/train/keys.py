@@ -40,11 +40,15 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "device_map", "flex_attn_compile_kwargs"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
+# RL and reward-model trainers compute their own losses (preference pairs, reference models, rewards): nd_parallel's
+# Trainer callback and Axolotl plugin are proven with the Trainer's and TRL SFTTrainer's token-mean loss only.
+_NOT_SFT = ("the nd_parallel Trainer callback and Axolotl plugin are checked with supervised fine-tuning (the "
+            "Trainer, TRL's SFTTrainer) only, not with RL or reward trainers: run this YAML with plain Axolotl")
 REFUSED = {
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
-    "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "rl": "nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
     "early_stopping_patience": "early stopping (and the best-checkpoint reload it needs) is not implemented: drop it "
@@ -64,13 +68,13 @@ REFUSED = {
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     "curriculum_sampling": "drop it (samples are shuffled)",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
-    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
-            "only; " + _PLUGIN,
+            "only; " + _NOT_SFT,
     "reward_model": "reward models train a classification head: nd-parallel train trains causal LMs only; "
-                    + _PLUGIN,
+                    + _NOT_SFT,
     "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
-                            "only; " + _PLUGIN,
+                            "only; " + _NOT_SFT,
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
