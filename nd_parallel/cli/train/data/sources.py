@@ -158,7 +158,8 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
                    "from, content: value}")
         fix = fix or f"one of {', '.join(TYPES + INSTRUCTION_TYPES)}"
         raise ConfigError(f"{path}: datasets[{i}].type={kind!r} is not supported by nd-parallel train; use {fix}, "
-                          "or run the YAML with Axolotl and the nd_parallel plugin")
+                          "or run the YAML with Axolotl (with the nd_parallel plugin for a supervised format; "
+                          "preference, reward and RL formats are not checked under nd_parallel)")
     entry["type"] = TYPE_ALIASES.get(kind) or kind
     spec, issues = DatasetSpec(**entry, base_dir=base), []
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
