@@ -188,3 +188,12 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
                    "llm-compressor recipes", "nothing is streamed", "Axolotl also requires save_steps and eval_steps",
                    "not with RL or reward trainers: run this YAML with plain Axolotl"):
         assert needle in message, (needle, message)
+
+
+def test_pretraining_dataset_alone_is_one_line(tmp_path, data):
+    """Axolotl's streamed pretraining_dataset without datasets: its own refusal, not also 'give the data as'."""
+    path = write_yaml(tmp_path / "c.yml", {"base_model": data["model"], "pretraining_dataset": [{"path": "x"}]})
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    assert "1 setting(s) cannot be used" in message and "type: pretraining (local data only)" in message, message

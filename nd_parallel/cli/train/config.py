@@ -373,7 +373,8 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
     refused += layout_refused
-    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), refused)
+    streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
+    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
     for key in _CHECKS:
         if train.get(key) is not None:
