@@ -1,6 +1,7 @@
 """The test YAMLs of tests/axolotl_configs/ TRAIN on 2 CPU ranks under the layout each names (FSDP2, DDP, TP2, PP2,
 CP2; a DeepSpeed json or FSDP1 list runs as FSDP2), each on a tiny local model of the family it names and synthetic
-local data in the record format its dataset `type` expects: chat templates, Alpaca, completion, pretraining.
+local data in the record format its dataset `type` expects: chat templates, Alpaca (and its other prompt styles,
+Jeopardy), completion, pretraining, pre-tokenized records.
 
 All runs share ONE 2-rank launch (2 optimizer steps each), built exactly as `nd-parallel train` builds them, with
 the working directory at a folder that holds the YAMLs' relative paths (./models/<family>, ./data/..., as Axolotl
@@ -21,11 +22,12 @@ from nd_parallel.testing.models import make_text, save_tiny_model
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 15 of the 22 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 16 of the 26 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
-           "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining"]
+           "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
+           "qwen2_instruction_styles"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -61,6 +63,12 @@ def _write_workspace(root: Path) -> None:
     alpaca = [{"instruction": lines[i], "input": lines[i + 1] if i % 2 else "", "output": lines[i + 2]}
               for i in range(0, 120, 3)]
     (data / "alpaca.json").write_text(json.dumps(alpaca))
+    jeopardy = [{"question": r["instruction"], "category": r["input"], "answer": r["output"]} for r in alpaca]
+    (data / "jeopardy.json").write_text(json.dumps(jeopardy))
+    tokenized = [tokenizer(t)["input_ids"] for t in lines[120:160]]  # Axolotl's `type:` left empty
+    (data / "tokenized.jsonl").write_text("".join(json.dumps({"input_ids": ids, "labels": [-100] * 3 + ids[3:],
+                                                              "attention_mask": [1] * len(ids)}) + "\n"
+                                                  for ids in tokenized))
     share, msgs = [], []
     for i in range(0, 120, 4):
         turns = [("system", "be brief"), ("user", lines[i]), ("assistant", lines[i + 1]), ("user", lines[i + 2]),

@@ -269,12 +269,11 @@ def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], li
             else:
                 refused.append(f"{key}={value!r}: not implemented by nd-parallel train; drop it, or run the YAML "
                                "with Axolotl and the nd_parallel plugin (docs/axolotl.md)")
-        elif value is None:  # a key Axolotl 0.19 no longer has (gptq_model_v1: ...), left empty: changes nothing
+        elif value is None or key in UNREAD:  # a key Axolotl 0.19 does not have, left empty or dropped by it too
             unused.append(key)
         else:
             owner = next((p for p, keys in equivalents.PLUGINS.items() if key in keys), None)
-            hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else (
-                UNREAD.get(key) or suggest(key, known))
+            hint = f"it belongs to Axolotl's plugin {owner}: list it under plugins:" if owner else suggest(key, known)
             refused.append(f"unknown key {key!r} in {path}; {hint}")
     return ours, unused, refused
 
@@ -344,7 +343,7 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
         out.settings["attn_implementation"] = "sdpa"
         out.notes.append("gemma4_hybrid_attn_impl: every layer runs SDPA (the hybrid only swaps kernels)")
     note = experts_note(data.get("experts_implementation"))
-    out.notes += [note] if note else []
+    out.notes += ([note] if note else []) + [f"{k}: {why}" for k, why in UNREAD.items() if data.get(k) is not None]
     return out
 
 
@@ -374,7 +373,8 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
     refused += layout_refused
-    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), refused)
+    streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
+    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
     for key in _CHECKS:
         if train.get(key) is not None:

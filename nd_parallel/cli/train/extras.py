@@ -1,5 +1,6 @@
 """Axolotl keys with a small, local meaning that `nd-parallel train` acts on: the batch-size arithmetic, the
-cosine floor, the embedding padding, peft's extra LoRA options, the hub revision and the MoE experts kernel.
+cosine floor, the embedding padding, peft's extra LoRA options, the hub revision, the MoE experts kernel and exact
+deduplication of the data.
 
 ``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
 its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
@@ -40,12 +41,16 @@ class AxolotlExtras:
     """Parameter tensors to adapt, by name suffix (peft's target_parameters: LoRA on MoE expert tensors)."""
     experts_implementation: str | None = None
     """MoE experts forward: eager, grouped_mm or batched_mm (transformers'; CUDA kernels fall back to eager)."""
+    dataset_exact_deduplication: bool = False
+    """Drop tokenized samples identical to an earlier one (same input_ids and labels), after mixing and before the
+    evaluation split and packing, as Axolotl does (it hashes each tokenized row)."""
 
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = []
-    for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out", "bfloat16"):
+    for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
+                "bfloat16", "dataset_exact_deduplication"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true

@@ -40,14 +40,22 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "device_map", "flex_attn_compile_kwargs"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
+# RL and reward-model trainers compute their own losses (preference pairs, reference models, rewards): nd_parallel's
+# Trainer callback and Axolotl plugin are proven with the Trainer's and TRL SFTTrainer's token-mean loss only.
+_NOT_SFT = ("the nd_parallel Trainer callback and Axolotl plugin are checked with supervised fine-tuning (the "
+            "Trainer, TRL's SFTTrainer) only, not with RL or reward trainers: run this YAML with plain Axolotl")
 REFUSED = {
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
-    "rl": "nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "rl": "nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "early_stopping_patience": "drop it (no early stopping); set max_steps or num_epochs",
+    "early_stopping_patience": "early stopping (and the best-checkpoint reload it needs) is not implemented: drop it "
+                               "and set max_steps or num_epochs (Axolotl also requires save_steps and eval_steps "
+                               "with it)",
+    "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "
+                 "drop it (max_steps works without it)",
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",
@@ -60,13 +68,13 @@ REFUSED = {
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     "curriculum_sampling": "drop it (samples are shuffled)",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
-    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _PLUGIN,
+    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
-            "only; " + _PLUGIN,
+            "only; " + _NOT_SFT,
     "reward_model": "reward models train a classification head: nd-parallel train trains causal LMs only; "
-                    + _PLUGIN,
+                    + _NOT_SFT,
     "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
-                            "only; " + _PLUGIN,
+                            "only; " + _NOT_SFT,
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
@@ -88,12 +96,26 @@ REFUSED = {
                "use bf16: true",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
+    # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
+    "nvfp4_merge_aware": "NVFP4 fake-quantized training of a pre-quantized NVFP4 checkpoint's experts is not "
+                         "supported (pre-quantized checkpoints are not loaded): use the unquantized checkpoint with "
+                         "adapter: lora",
+    "nvfp4_merge_aware_start_step": "belongs to nvfp4_merge_aware (NVFP4 fake-quantized training), not supported",
+    "dsv4_fp4_grouped_mode": "FP4 grouped expert kernels for a pre-quantized checkpoint are not supported (such "
+                             "checkpoints are not loaded): use the unquantized checkpoint",
+    "use_dsv4_kernels": "Axolotl's fused DeepSeek-V4 Triton kernels are not part of nd-parallel train: drop it "
+                        "(the model's own transformers forward runs)",
+    "use_glm_dsa_kernels": "Axolotl's fused GLM DSA attention kernels are not part of nd-parallel train: drop it "
+                           "(the model's own transformers attention runs)",
+    "llmcompressor": "sparse fine-tuning with llm-compressor recipes (pruning masks kept during training) is not "
+                     "implemented: " + _PLUGIN,
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 
-# Keys in Axolotl's own examples that Axolotl does not read either (not in its schema): what the author meant.
-UNREAD = {"eta_min": "Axolotl does not read eta_min either (its cosine decays to 0); for a floor write "
-                     "cosine_min_lr_ratio: <eta_min / learning_rate>, or drop it"}
+# Keys in Axolotl's own examples that Axolotl does not read (not in its schema, which drops unknown keys): accepted,
+# as they change nothing there either, with one line saying what the author probably meant.
+UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays to 0, as here; for a floor write "
+                     "cosine_min_lr_ratio: <eta_min / learning_rate>"}
 
 
 def is_logging(key: str) -> bool:

@@ -5,7 +5,8 @@
     samples, how = build_samples(model_dir, [DatasetSpec(path)], 64)   # tensors, for an Accelerate loop
 
 Order (Axolotl's): read each `datasets:` entry -> tokenize it with `map` (formats.py) -> drop samples longer than
-sequence_len -> merge and shuffle -> hold out val_set_size -> pack (packing.py). The result is saved under
+sequence_len -> merge and shuffle -> drop exact duplicates (dataset_exact_deduplication) -> hold out val_set_size
+-> pack (packing.py). The result is saved under
 `dataset_prepared_path/<fingerprint>` and reused while the data files, tokenizer and settings stay the same.
 """
 
@@ -48,7 +49,7 @@ def _fingerprint(cfg, tokenizer) -> str:
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
-            "shuffle_merged_datasets", "eot_tokens", "min_sample_len")
+            "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys},
              "tokenizer": tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer),
              "template": tokenizer.chat_template, "added": {str(k): v for k, v in tokenizer.get_added_vocab().items()}}
@@ -73,6 +74,18 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
                           "least one trained token); raise sequence_len, lower min_sample_len, check 'type:' / the "
                           "field names, or remove this entry")
     return kept, f"{where}: {len(raw)} records -> {len(kept)} samples ({spec.type})"
+
+
+def _deduplicated(ds):
+    """(ds without the samples equal to an earlier one, how many were dropped): Axolotl's exact deduplication
+    hashes each tokenized row; here a row is its input_ids and labels (nothing else is stored before packing)."""
+    seen, keep = set(), []
+    for i, row in enumerate(zip(ds["input_ids"], ds["labels"])):
+        key = hashlib.sha256(json.dumps(row).encode()).digest()
+        if key not in seen:
+            seen.add(key)
+            keep.append(i)
+    return (ds if len(keep) == len(ds) else ds.select(keep)), len(ds) - len(keep)
 
 
 def _split(ds, cfg):
@@ -104,9 +117,14 @@ def prepare(cfg, workdir: str | os.PathLike) -> Prepared:
         ds, line = _tokenized(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
         parts.append(ds)
         lines.append(line)
+    # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)
+    parts = [parts[0], *(p.cast(parts[0].features) for p in parts[1:])]
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     if cfg.shuffle_merged_datasets and len(parts) > 1:
         merged = merged.shuffle(seed=cfg.seed)
+    if cfg.dataset_exact_deduplication:
+        merged, dropped = _deduplicated(merged)
+        lines.append(f"dataset_exact_deduplication: {dropped} duplicate sample(s) dropped, {len(merged)} kept")
     train, evals = _split(merged, cfg)
     eval_packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
     if cfg.sample_packing:

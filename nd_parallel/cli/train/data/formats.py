@@ -1,11 +1,13 @@
 """Record -> (input_ids, labels) for each dataset `type`, with Axolotl's meanings; used with `Dataset.map`.
 
 - completion: the whole text is trained on; cut to sequence_len.
-- alpaca: Axolotl's Alpaca prompt; only the response (and EOS) is trained on unless train_on_inputs.
+- alpaca, alpaca:<style>, alpaca_chat, jeopardy[:<style>]: Axolotl's instruction prompts (instructions.py); only
+  the response (and EOS) is trained on unless train_on_inputs.
 - chat_template: the chat template (the tokenizer's, or a named one: templates.py) renders the conversation; the
   content of the turns of roles_to_train (assistant by default) is trained on, and the end-of-turn / eos token
   after it per train_on_eos (Axolotl's rules, `_labels`).
 - pretraining: texts joined with EOS and cut into sequence_len blocks, every token trained on.
+- tokenized (Axolotl's `type:` left empty): records that already hold input_ids and labels, used as they are.
 
 A bad record raises ConfigError naming the file, the record and the fix (map runs in the parent, before any rank).
 """
@@ -15,13 +17,8 @@ from __future__ import annotations
 from nd_parallel.config import ConfigError
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
+from . import instructions
 from .sources import DatasetSpec
-
-ALPACA = ("Below is an instruction that describes a task, paired with an input that provides further context. "
-          "Write a response that appropriately completes the request.\n\n"
-          "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
-ALPACA_NO_INPUT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
-                   "the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n")
 
 
 def _field(record: dict, key: str, where: str, i: int, fix: str):
@@ -60,21 +57,50 @@ def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, 
             return out
 
         return text
-    if spec.type == "alpaca":
-        return lambda batch, indices: _alpaca(batch, indices, tokenizer, where, train_on_inputs)
+    if spec.type == "tokenized":
+        return lambda batch, indices: _pretokenized(batch, indices, where)
+    kind = instructions.parse(spec.type)
+    if kind is not None:
+        return lambda batch, indices: _instruction(batch, indices, kind, tokenizer, where, train_on_inputs)
     return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens)
 
 
-def _alpaca(batch, indices, tokenizer, where: str, train_on_inputs: bool) -> dict:
+def _pretokenized(batch, indices, where: str) -> dict:
+    """Axolotl's `type:` left empty: records already hold input_ids, labels (and attention_mask), used as they are
+    (Axolotl passes such a dataset through untouched; only the length filters apply)."""
     out = {"input_ids": [], "labels": []}
-    fix = "alpaca records need instruction, output and optionally input; fix the record or pick another type"
+    fix = "pre-tokenized records (type: left empty) need input_ids and labels lists of the same length"
     for i, rec in zip(indices, _records(batch)):
-        instruction = _field(rec, "instruction", where, i, fix)
-        response = _field(rec, "output", where, i, fix)
-        extra = rec.get("input") or ""
-        prompt = (ALPACA if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        answer = _with_eos(tokenizer(str(response), add_special_tokens=False)["input_ids"], tokenizer)
+        ids, labels = _field(rec, "input_ids", where, i, fix), _field(rec, "labels", where, i, fix)
+        mask = rec.get("attention_mask")
+        if not isinstance(ids, list) or not isinstance(labels, list) or len(ids) != len(labels):
+            raise ConfigError(f"{where}, record {i}: input_ids and labels must be lists of the same length (got "
+                              f"{_length(ids)} and {_length(labels)}); {fix}")
+        if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids) or not all(mask)):
+            raise ConfigError(f"{where}, record {i}: attention_mask must be all ones over input_ids (padding inside "
+                              "a sample is not supported: samples are batched and packed here); strip the padding "
+                              "from input_ids, labels and attention_mask")
+        out["input_ids"].append([int(t) for t in ids])
+        out["labels"].append([int(t) for t in labels])
+    return out
+
+
+def _length(value) -> str:
+    return str(len(value)) if isinstance(value, list) else type(value).__name__
+
+
+def _instruction(batch, indices, kind: tuple[str, str], tokenizer, where: str, train_on_inputs: bool) -> dict:
+    base, style = kind
+    instruction_key, input_key, response_key, lead, needs_input = instructions.RECORDS[base]
+    out = {"input_ids": [], "labels": []}
+    wanted = f"{instruction_key}, {response_key} and {'' if needs_input else 'optionally '}{input_key}"
+    fix = f"{base} records need {wanted}; fix the record or pick another type"
+    for i, rec in zip(indices, _records(batch)):
+        instruction = _field(rec, instruction_key, where, i, fix)
+        response = lead + str(_field(rec, response_key, where, i, fix))
+        extra = _field(rec, input_key, where, i, fix) if needs_input else rec.get(input_key) or ""
+        prompt_ids = tokenizer(instructions.prompt(style, instruction, str(extra)))["input_ids"]
+        answer = _with_eos(tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer)
         out["input_ids"].append(prompt_ids + answer)
         out["labels"].append((prompt_ids if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)) + answer)
     return out

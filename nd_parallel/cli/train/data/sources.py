@@ -15,9 +15,13 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-TYPES = ("completion", "alpaca", "chat_template", "pretraining")
+from . import instructions
+
+TYPES = ("completion", "alpaca", "chat_template", "pretraining", "tokenized")
+# Axolotl's instruction types besides alpaca (instructions.py): alpaca:<style>, alpaca_chat, jeopardy[:<style>].
+INSTRUCTION_TYPES = ("alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "jeopardy")
 # Axolotl's names for the same formats.
-TYPE_ALIASES = {"pretrain": "pretraining", "alpaca_chat": None, "sharegpt": None, "chat_template.default": "chat_template"}
+TYPE_ALIASES = {"pretrain": "pretraining", "sharegpt": None, "chat_template.default": "chat_template"}
 DS_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
             ".txt": "text"}
 # Axolotl's default role names (chat_template strategy): dataset role -> template role.
@@ -38,7 +42,8 @@ class DatasetSpec:
     path: str
     """Local file or directory (json/jsonl/parquet/csv/arrow/txt files, or a `save_to_disk` directory)."""
     type: str = "completion"
-    """completion | alpaca | chat_template | pretraining (Axolotl's meanings)."""
+    """completion | alpaca (alpaca:<style>, alpaca_chat, jeopardy[:<style>]) | chat_template | pretraining
+    (Axolotl's meanings) | tokenized (Axolotl's `type:` left empty: records with input_ids and labels)."""
     ds_type: str | None = None
     """json | parquet | csv | arrow | text; default: from the file extension."""
     split: str = "train"
@@ -143,11 +148,18 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if unknown:  # all of them, one line each (the one message)
         raise ConfigError(f"{path}: " + "\n  - ".join(unknown))
     kind = entry.get("type", "completion")
-    if not isinstance(kind, str) or kind not in TYPES and TYPE_ALIASES.get(kind) is None:
-        fix = ("type: chat_template with field_messages: conversations and message_property_mappings: {role: from, "
-               "content: value}" if kind in ("sharegpt", "alpaca_chat") else f"one of {', '.join(TYPES)}")
+    if kind is None:  # Axolotl: `type:` left empty reads a dataset that is already tokenized
+        kind = entry["type"] = "tokenized"
+    known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind))
+    if not known:
+        fix = instructions.problem(kind) if isinstance(kind, str) else None
+        if kind == "sharegpt":
+            fix = ("type: chat_template with field_messages: conversations and message_property_mappings: {role: "
+                   "from, content: value}")
+        fix = fix or f"one of {', '.join(TYPES + INSTRUCTION_TYPES)}"
         raise ConfigError(f"{path}: datasets[{i}].type={kind!r} is not supported by nd-parallel train; use {fix}, "
-                          "or run the YAML with Axolotl and the nd_parallel plugin")
+                          "or run the YAML with Axolotl (with the nd_parallel plugin for a supervised format; "
+                          "preference, reward and RL formats are not checked under nd_parallel)")
     entry["type"] = TYPE_ALIASES.get(kind) or kind
     spec, issues = DatasetSpec(**entry, base_dir=base), []
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):

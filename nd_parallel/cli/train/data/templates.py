@@ -88,8 +88,10 @@ FORMATS: dict[str, TurnFormat] = {
     "mistral_v7_tekken": TurnFormat("", "", bos=True, headers={"system": "[SYSTEM_PROMPT]", "user": "[INST]"},
                                     footers={"system": "[/SYSTEM_PROMPT]", "user": "[/INST]", "assistant": "</s>"}),
 }
+# Axolotl's gemma4_unified.jinja is byte-for-byte its gemma4.jinja (0.19 and later): the same text turns.
+FORMATS["gemma4_unified"] = FORMATS["gemma4"]
 # Axolotl names whose templates render images or audio through a processor: not text chat templates.
-MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision", "gemma4_unified")
+MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
 
 
 def _q(text: str) -> str:

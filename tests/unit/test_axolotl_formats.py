@@ -1,0 +1,199 @@
+"""Axolotl's instruction record types (`alpaca:<style>`, `alpaca_chat`, `jeopardy`), `dataset_exact_deduplication`,
+`eta_min` and `chat_template: gemma4_unified`, read by `nd-parallel train` in one process (no ranks): the same
+tokens and labels as Axolotl 0.19's own strategies (when its venv is there), what each style writes, and the
+refusals with their fix."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nd_parallel.cli.train.config import load_train_config
+from nd_parallel.cli.train.data import instructions
+from nd_parallel.config import ConfigError
+from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+AXOLOTL_PYTHON = Path(os.environ.get("ND_PARALLEL_AXOLOTL_VENV", ROOT / ".venv-axolotl")) / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("instruction_data")
+    out = write_model_and_data(root, n=30)
+    alpaca = json.loads(Path(out["alpaca"]).read_text())
+    jeopardy = [{"question": r["instruction"], "category": r["input"], "answer": r["output"]} for r in alpaca]
+    out["jeopardy"] = str(root / "jeopardy.json")
+    Path(out["jeopardy"]).write_text(json.dumps(jeopardy))
+    return out
+
+
+def _tokenized(data, kind: str, style: str, train_on_inputs: bool, sequence_len: int = 1024):
+    from transformers import AutoTokenizer
+
+    from nd_parallel.cli.train.data.formats import tokenize_fn
+    from nd_parallel.cli.train.data.sources import DatasetSpec
+
+    records = json.loads(Path(data[kind]).read_text())
+    fn = tokenize_fn(DatasetSpec(path=data[kind], type=f"{kind}:{style}"), AutoTokenizer.from_pretrained(
+        data["model"]), "test", sequence_len=sequence_len, train_on_inputs=train_on_inputs)
+    out = fn({k: [r.get(k) for r in records] for k in records[0]}, list(range(len(records))))
+    return [[ids, labels] for ids, labels in zip(out["input_ids"], out["labels"])]
+
+
+def test_instruction_types_tokenize_as_axolotl(data, tmp_path):
+    """Axolotl 0.19's AlpacaPromptTokenizingStrategy / JeopardyPromptTokenizingStrategy, run in its own venv on the
+    same records and tokenizer: input_ids and labels equal for every style, with and without train_on_inputs.
+    (sequence_len is large: Axolotl cuts a long prompt before appending the response, and both then drop it.)"""
+    if not AXOLOTL_PYTHON.is_file():
+        why = f"no Axolotl interpreter at {AXOLOTL_PYTHON}: build .venv-axolotl (.ci/axolotl-venv)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"CI: {why}", pytrace=False)
+        pytest.skip(why)
+    request = {"model": data["model"], "len": 1024, **{k: json.loads(Path(data[k]).read_text())
+                                                       for k in ("alpaca", "jeopardy")}}
+    (tmp_path / "records.json").write_text(json.dumps(request))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
+    out = subprocess.run([str(AXOLOTL_PYTHON), str(Path(__file__).with_name("axolotl_prompt_dump.py")),
+                          str(tmp_path / "records.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(theirs) == 16
+    for key, rows in theirs.items():
+        kind, style, train_on_inputs = key.split(":")
+        assert _tokenized(data, kind, style, train_on_inputs == "True") == rows, key
+
+
+@pytest.mark.parametrize("style,head,turn", [
+    ("instruct", "Below is an instruction", "### Response:\n"),
+    ("chat", "SYSTEM: Below is an instruction", "\nASSISTANT:"),
+    ("chatml", "<|im_start|>system\nBelow is an instruction", "<|im_start|>assistant\n"),
+    ("phi", "<|system|>\nBelow is an instruction", "<|assistant|>")])
+def test_each_style_writes_its_prompt_and_trains_the_response(data, style, head, turn):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(data["model"])
+    records = json.loads(Path(data["jeopardy"]).read_text())
+    for (ids, labels), rec in zip(_tokenized(data, "jeopardy", style, False)[:4], records):
+        text = tok.decode(ids)
+        assert text.startswith(head) and turn in text, text
+        prompt = instructions.prompt(style, rec["question"], rec["category"])
+        assert text.startswith(prompt) and ("paired with an input" in text) == bool(rec["category"])
+        trained = tok.decode([t for t, lab in zip(ids, labels) if lab != -100])
+        assert trained == "what is " + rec["answer"] + tok.eos_token  # Jeopardy's answer, then EOS
+
+
+def _config(tmp_path, data, entries, **keys):
+    keys = {"base_model": data["model"], "datasets": entries, "sequence_len": 256, **keys}  # the model's limit
+    return load_train_config(write_yaml(tmp_path / "c.yml", keys), environ={})
+
+
+def test_instruction_types_pass_the_config_stage_and_bad_styles_are_refused(tmp_path, data):
+    entries = [{"path": data["alpaca"], "type": t} for t in ("alpaca:chat", "alpaca:phi", "alpaca:chatml",
+                                                            "alpaca:instruct", "alpaca_chat")]
+    cfg = _config(tmp_path, data, entries + [{"path": data["jeopardy"], "type": "jeopardy"}])
+    assert [instructions.parse(s.type) for s in cfg.datasets] == [
+        ("alpaca", "chat"), ("alpaca", "phi"), ("alpaca", "chatml"), ("alpaca", "instruct"), ("alpaca", "chat"),
+        ("jeopardy", "instruct")]
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, data, [{"path": data["alpaca"], "type": t} for t in ("alpaca:vicuna", "oasst")])
+    message = str(err.value)
+    assert "datasets[0].type='alpaca:vicuna' is not supported by nd-parallel train; use alpaca:<style> with one " \
+           "of Axolotl's prompt styles (instruct, chat, chatml, phi)" in message, message
+    assert "datasets[1].type='oasst'" in message and "alpaca:phi, alpaca_chat, jeopardy" in message, message
+
+
+def test_a_jeopardy_record_without_its_category_is_named(tmp_path, data):
+    from nd_parallel.cli.train.data import prepare
+
+    (tmp_path / "j.json").write_text(json.dumps([{"question": "q", "answer": "a"}]))
+    cfg = _config(tmp_path, data, [{"path": str(tmp_path / "j.json"), "type": "jeopardy"}])
+    with pytest.raises(ConfigError, match=r"record 0: no 'category' field \(it has question, answer\); jeopardy "
+                                          r"records need question, answer and category"):
+        prepare(cfg, tmp_path / "work")
+
+
+def test_exact_deduplication_drops_repeated_samples_before_the_split(tmp_path, data):
+    from nd_parallel.cli.train.data import load_prepared, prepare
+
+    twice = [{"path": data["alpaca"], "type": "alpaca"}] * 2
+    plain = prepare(_config(tmp_path, data, twice, val_set_size=0.25), tmp_path / "w1")
+    once = prepare(_config(tmp_path, data, twice, val_set_size=0.25, dataset_exact_deduplication=True), tmp_path / "w2")
+    kept = (plain.train_rows + plain.eval_rows) // 2  # the samples of one copy within sequence_len
+    assert kept > 10 and once.train_rows + once.eval_rows == kept
+    assert f"dataset_exact_deduplication: {kept} duplicate sample(s) dropped, {kept} kept" in once.sources
+    train, evals, _ = load_prepared(once.path)
+    rows = [tuple(r["input_ids"]) for r in train] + [tuple(r["input_ids"]) for r in evals]
+    assert len(set(rows)) == len(rows) == kept  # no sample is both trained on and held out
+    with pytest.raises(ConfigError, match="dataset_exact_deduplication='yes'; use true or false"):
+        _config(tmp_path, data, twice, dataset_exact_deduplication="yes")
+
+
+def test_eta_min_is_accepted_as_axolotl_drops_it(tmp_path, data):
+    cfg = _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], eta_min=7e-7, lr_scheduler="cosine")
+    assert "eta_min" in cfg.unused and cfg.cosine_min_lr_ratio is None
+    assert any(n.startswith("eta_min: not an Axolotl key: Axolotl drops it") for n in cfg.notes), cfg.notes
+
+
+def test_gemma4_unified_is_the_gemma4_template():
+    """Axolotl 0.19 ships gemma4_unified.jinja as a copy of gemma4.jinja: a text conversation renders the same."""
+    from nd_parallel.cli.train.data.templates import FORMATS, jinja, template_problem
+
+    assert template_problem("gemma4_unified") is None and jinja(FORMATS["gemma4_unified"]) == jinja(FORMATS["gemma4"])
+    assert "renders images/audio" in template_problem("llava")
+
+
+def test_pretokenized_records_are_used_as_they_are(tmp_path, data):
+    """Axolotl's `type:` left empty: input_ids / labels taken as written (only the length filters apply)."""
+    from nd_parallel.cli.train.data import load_prepared, prepare
+
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "attention_mask": [1] * 4},
+            {"input_ids": [9, 10, 11], "labels": [9, 10, 11]}, {"input_ids": [12], "labels": [12]}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _config(tmp_path, data, [{"path": str(tmp_path / "t.jsonl"), "type": None}])
+    assert cfg.datasets[0].type == "tokenized"
+    prepared = prepare(cfg, tmp_path / "work")
+    train, _, _ = load_prepared(prepared.path)
+    assert [r["input_ids"] for r in train] == [[5, 6, 7, 8], [9, 10, 11]]  # one token < min_sample_len: dropped
+    assert [r["labels"] for r in train] == [[-100, -100, 7, 8], [9, 10, 11]]
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"input_ids": [5, 6, 7], "labels": [5, 6]}, "input_ids and labels must be lists of the same length "
+                                                 r"\(got 3 and 2\)"),
+    ({"input_ids": [5, 6, 7]}, r"no 'labels' field \(it has input_ids\); pre-tokenized records"),
+    ({"input_ids": [5, 6, 7], "labels": [5, 6, 7], "attention_mask": [1, 1, 0]},
+     "attention_mask must be all ones over input_ids")])
+def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
+    from nd_parallel.cli.train.data import prepare
+
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ConfigError, match=r"t\.jsonl, record 0: " + match):
+        prepare(_config(tmp_path, data, [{"path": str(tmp_path / "t.jsonl"), "type": None}]), tmp_path / "work")
+
+
+def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, data):
+    """Keys Axolotl's examples use that came after 0.19, streaming, early stopping and RL: one message, each with its
+    reason (not the generic unknown-key list); RL is not sent to the plugin, which is checked with SFT only."""
+    keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
+                llmcompressor={"recipe": {}}, streaming=True, early_stopping_patience=3, rl="dpo")
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
+    message = str(err.value)
+    assert "7 setting(s) cannot be used" in message and "valid keys are" not in message, message
+    for needle in ("pre-quantized checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
+                   "llm-compressor recipes", "nothing is streamed", "Axolotl also requires save_steps and eval_steps",
+                   "not with RL or reward trainers: run this YAML with plain Axolotl"):
+        assert needle in message, (needle, message)
+
+
+def test_pretraining_dataset_alone_is_one_line(tmp_path, data):
+    """Axolotl's streamed pretraining_dataset without datasets: its own refusal, not also 'give the data as'."""
+    path = write_yaml(tmp_path / "c.yml", {"base_model": data["model"], "pretraining_dataset": [{"path": "x"}]})
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path, environ={})
+    message = str(err.value)
+    assert "1 setting(s) cannot be used" in message and "type: pretraining (local data only)" in message, message
