@@ -2,7 +2,8 @@
 
 For each layout (one process, FSDP2, TP2, PP2, CP2 on 2 ranks) one launch prepares the same Llama-shaped model
 three times (default vocab 128k, hidden 256, 2 layers, fp32, one sample per data-parallel rank): with the chunked
-loss (``loss_chunk_size``, default 256 tokens) as it runs, on its linear fast path where the head is one linear map
+loss (``loss_chunk_size``, default "auto": 1/8 of the tokens one loss call sees, within [128, 256]) as it runs,
+on its linear fast path where the head is one linear map
 (distributed/linear_loss.py; TP2's vocabulary-parallel head keeps the generic path); with the chunked loss forced
 onto its generic path (``ChunkedHead.fast_linear = False``: the model's own head per chunk, autograd per chunk);
 and with HF's loss on the full logits (``loss_chunk_size=0``). They alternate step by step inside the launch, so
@@ -17,7 +18,8 @@ machine noise hits them alike.
   alive at once (logits, log-softmax, their gradient), so the saving is a multiple of the logits buffer.
 - **loss term chunked / HF**: the loss's bytes at the start of backward, chunked over HF's: measured as HF's term
   (the planner's 16·t·V) less the saving, next to the planner's own ratio, for the chunked loss as it runs and
-  for its generic path. The goal is <= 1/8.
+  for its generic path. The goal is <= 1/8. **chunk**: the tokens per chunk ``--chunk`` gives at this layout's
+  tokens per loss call (config/loss.py's ``loss_chunk_for``).
 - **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank: chunked / HF and
   chunked / generic (the fast path against the path it replaces).
 
@@ -25,6 +27,7 @@ machine noise hits them alike.
     python benchmarks/bench_logits_memory.py --seqs 2048 --layouts one,fsdp2
     python benchmarks/bench_logits_memory.py --quick               # smoke run (vocab 16k, seq 512)
     python benchmarks/bench_logits_memory.py --variants chunked,hf  # without the generic path (its columns: nan)
+    python benchmarks/bench_logits_memory.py --chunk 256            # a fixed chunk (the "auto" default before)
 """
 
 from __future__ import annotations
@@ -54,16 +57,31 @@ def _vocab_split(name: str) -> int:
     return LAYOUTS[name][1].get("tp_size", 1)
 
 
+def _setting(args) -> int | str:
+    """``--chunk`` as a loss_chunk_size: "auto" or a number of tokens."""
+    return args.chunk if args.chunk == "auto" else int(args.chunk)
+
+
+def chunk_tokens(name: str, seq: int, args) -> int:
+    """Tokens per chunk of this layout's loss calls, as the chunked loss resolves ``--chunk`` at run time."""
+    from nd_parallel.config.loss import loss_chunk_for
+
+    t = _tokens_per_loss(name, seq)
+    return min(loss_chunk_for(_setting(args), t), t)
+
+
 def loss_terms(name: str, seq: int, args) -> tuple[float, float, float]:
     """(HF's loss bytes at the start of backward, the chunked loss's, its generic path's), the planner's formulas
     (planner/memory.py, validated against a measured step in tests/unit/test_planner.py): HF's logits, log-softmax
     and both gradients in fp32, 16·t·V. The generic path: one chunk of those over V/tp, the hidden states' gradient
     4·t·h and two fp32 copies of the head's gradient 2·4·V·h/tp. The linear fast path (not under TP2 here): one fp32
-    chunk buffer 4·c·V, 4·t·h and one head gradient 4·V·h."""
+    chunk buffer 4·c·V, 4·t·h and one head gradient 4·V·h. PP2's last stage keeps the generic path
+    (pipeline/__init__.py)."""
     t, v, h, tp = _tokens_per_loss(name, seq), args.vocab, args.hidden, _vocab_split(name)
-    c = min(args.chunk, t)
+    c = chunk_tokens(name, seq, args)
     generic = 16 * c * v / tp + 4 * t * h + 8 * v * h / tp
-    return 16 * t * v, generic if tp > 1 else 4 * c * v + 4 * t * h + 4 * v * h, generic
+    fast = tp == 1 and name != "pp2"
+    return 16 * t * v, 4 * c * v + 4 * t * h + 4 * v * h if fast else generic, generic
 
 
 def worker(args) -> None:
@@ -86,7 +104,7 @@ def worker(args) -> None:
     for variant in args.variants.split(","):
         AcceleratorState._reset_state(reset_partial_state=False)
         accelerator = Accelerator()
-        chunk = 0 if variant == "hf" else args.chunk
+        chunk = 0 if variant == "hf" else _setting(args)
         ChunkedHead.fast_linear = variant != "generic"  # read by each ChunkedHead when the model is prepared
         plugin = NDParallelPlugin(ParallelismConfig(**layout, loss_chunk_size=chunk)).attach(accelerator)
         model = plugin.from_pretrained(args.model)
@@ -124,13 +142,15 @@ def worker(args) -> None:
 
 def parse_args(argv):
     p = _common.parser(__doc__)
-    _common.flags(p, seqs="2048,4096", vocab=131072, hidden=256, layers=2, chunk=256, steps=2, warmup=1,
+    _common.flags(p, seqs="2048,4096", vocab=131072, hidden=256, layers=2, steps=2, warmup=1,
+                  chunk=("auto", "loss_chunk_size of the chunked variants: auto, or tokens per chunk [auto]"),
                   layouts=",".join(LAYOUTS), variants=",".join(VARIANTS))
     return _common.parse(p, argv, quick={"seqs": "512", "vocab": 16384, "steps": 1},
                          internal=("--layout", "--model", "--seq"))
 
 
-HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "peak generic (MiB)", "chunked / HF", "saved (MiB)",
+HEAD = ["seq", "layout", "chunk", "peak HF (MiB)", "peak chunked (MiB)", "peak generic (MiB)", "chunked / HF",
+        "saved (MiB)",
         "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V/tp (MiB)", "saved / HF logits", "loss term chunked / HF",
         "planner's", "loss term generic / HF", "planner's (generic)", "time chunked / HF", "time chunked / generic"]
 
@@ -138,12 +158,13 @@ HEAD = ["seq", "layout", "peak HF (MiB)", "peak chunked (MiB)", "peak generic (M
 def table_row(seq: int, name: str, res: dict, args) -> list[str]:
     hf, ours, generic = (res["peak"].get(v, float("nan")) / _common.MB for v in ("hf", "chunked", "generic"))
     logits = 4 * _tokens_per_loss(name, seq) * args.vocab / _common.MB
-    chunk = 4 * min(args.chunk, _tokens_per_loss(name, seq)) * args.vocab / _vocab_split(name) / _common.MB
+    c = chunk_tokens(name, seq, args)
+    chunk = 4 * c * args.vocab / _vocab_split(name) / _common.MB
     hf_term, chunked_term, generic_term = (b / _common.MB for b in loss_terms(name, seq, args))
     # measured: HF's loss term (its formula) less what the chunked run saved on the same step
     measured, measured_generic = ((hf_term - (hf - peak)) / hf_term for peak in (ours, generic))
     time = {v: res["time"].get(v, float("nan")) for v in ("chunked", "hf", "generic")}  # --variants may omit some
-    return [seq, name, f"{hf:.0f}", f"{ours:.0f}", f"{generic:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}",
+    return [seq, name, c, f"{hf:.0f}", f"{ours:.0f}", f"{generic:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}",
             f"{logits:.0f}", f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}",
             f"{chunked_term / hf_term:.3f}", f"{measured_generic:.3f}", f"{generic_term / hf_term:.3f}",
             f"{time['chunked'] / time['hf']:.2f}x", f"{time['chunked'] / time['generic']:.2f}x"]
@@ -160,13 +181,14 @@ def parent(args, argv) -> None:
                 world, layout = LAYOUTS[name]
                 print(f"-- seq {seq}, {name} ({world} rank(s))", file=sys.stderr, flush=True)
                 res, took = _common.launch_timed(__file__, world, [
-                    f"--seq={seq}", f"--steps={args.steps}", f"--variants={args.variants}", f"--warmup={args.warmup}", f"--chunk={args.chunk}",
+                    f"--seq={seq}", f"--steps={args.steps}", f"--variants={args.variants}", f"--warmup={args.warmup}",
+                    f"--chunk={args.chunk}",
                     f"--layout={json.dumps(layout)}", f"--model={model}"], timeout=3600)
                 print(f"   launch took {took}", file=sys.stderr, flush=True)
                 rows.append(table_row(seq, name, res, args))
                 raw.append((seq, name, res))
     _common.print_report(f"llama vocab {args.vocab}, hidden {args.hidden}, {args.layers} layers, fp32, batch 1 per dp "
-                         f"rank (PP: 2 micro-batches of 1), chunk {args.chunk} tokens", HEAD, rows, raw)
+                         f"rank (PP: 2 micro-batches of 1), loss_chunk_size {args.chunk}", HEAD, rows, raw)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from .checks import ConfigError, ConfigTypeError, _int_guess, _is_int, _kind
 
 DEFAULT_LOSS_CHUNK_SIZE = 256
-"""Tokens per chunk under ``loss_chunk_size="auto"``: one chunk's fp32 logits at a 128k vocabulary are 128 MiB, and
-at sequence 2048 (one sample) the logits term is 1/8 of the unchunked one."""
+"""The most tokens per chunk under ``loss_chunk_size="auto"``: one chunk's fp32 logits at a 128k vocabulary are
+128 MiB, 1/8 of the unchunked logits of 2048 tokens."""
+AUTO_CHUNK_MIN = 128
+"""The fewest tokens per chunk under "auto": below it the head's matmul per chunk gets small enough that the loop
+over chunks, not the FLOPs, sets the loss's time."""
+AUTO_CHUNK_FRACTION = 8
+"""Under "auto" a chunk is at most 1/8 of the tokens the loss sees (issue 21: the logits term <= 1/8 of HF's)."""
+
+
+def loss_chunk_for(value: Any, tokens: float) -> int:
+    """Tokens per chunk for a loss that sees ``tokens`` tokens at once (b·s of this rank's call: after CP's sequence
+    split, one micro-batch under PP), for the already checked setting ``value``; 0 = off.
+
+    "auto" = ceil(tokens / 8) clamped to [128, 256]: 1/8 of the tokens where that is at least 128 (1024 to 2048
+    tokens), 256 from 2048 tokens on (the logits term is then <= 1/8 already), 128 below 1024 tokens (a short loss
+    holds little anyway). A positive int is that many tokens whatever ``tokens`` is."""
+    if value == "auto":
+        return min(DEFAULT_LOSS_CHUNK_SIZE, max(AUTO_CHUNK_MIN, math.ceil(tokens / AUTO_CHUNK_FRACTION)))
+    return int(value or 0)
 
 
 def resolve_loss_chunk_size(value: Any) -> int:
-    """The number of tokens per chunk that ``value`` (an already checked setting) asks for; 0 = off."""
+    """The most tokens per chunk ``value`` (an already checked setting) asks for, whatever the tokens: "auto" =
+    256; 0 = off. The chunk a call uses is ``loss_chunk_for(value, tokens)``."""
     if value == "auto":
         return DEFAULT_LOSS_CHUNK_SIZE
     return int(value or 0)
@@ -42,14 +61,16 @@ class LossOptions:
     loss_chunk_size: int | str | None = "auto"
     """Tokens per chunk of the chunked cross-entropy: the head and log-softmax run one chunk at a time, so only one
     chunk's logits are ever alive, and ``outputs.logits`` is None in a training forward with labels. "auto"
-    (default) = 256 tokens, left off under TRL's SFTTrainer (it reads the logits); 0 or None = off (HF's loss on
-    the full logits); a positive int = that many tokens. Evaluation, calls without labels and generate always
-    return the full logits."""
+    (default) = chosen at each loss call from the tokens that call sees (b·s after CP's split, one micro-batch under
+    PP): 1/8 of them, at least 128 and at most 256 tokens (``loss_chunk_for``), so one chunk's logits are at most
+    1/8 of the unchunked ones in every layout from 1024 tokens per call on; left off under TRL's SFTTrainer (it
+    reads the logits). 0 or None = off (HF's loss on the full logits); a positive int = exactly that many tokens.
+    Evaluation, calls without labels and generate always return the full logits."""
 
     def _check_loss(self) -> None:
         self.loss_chunk_size = check_loss_chunk_size(self.loss_chunk_size)
 
     @property
     def loss_chunk_tokens(self) -> int:
-        """The resolved chunk size in tokens; 0 = unchunked."""
+        """The most tokens per chunk (256 under "auto"); 0 = unchunked. A call's chunk: ``loss_chunk_for``."""
         return resolve_loss_chunk_size(self.loss_chunk_size)

@@ -40,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from nd_parallel.config.loss import loss_chunk_for
 from nd_parallel.models.hf import decoder_slot, head_parameters
 
 from .linear_loss import LinearHead, linear_cross_entropy, linear_head
@@ -244,11 +245,13 @@ class ChunkedHead:
     ``(output, hidden)``; the first call checks that the head can be run on chunks (``enabled``).
     ``loss(hidden, targets, num_items)`` is the chunked cross-entropy through the model's head: on linear_loss.py's
     fast path where the first call found the head to be one linear map (``linear``), else through the probe.
+    ``chunk`` is the setting (``loss_chunk_size``: tokens, or "auto"); each loss call resolves it against the tokens
+    it is given (``chunk_for``): this rank's b·s, after CP's split, one micro-batch under PP.
     """
 
     fast_linear = True  # False: every head takes the probe's path (benchmarks compare the two)
 
-    def __init__(self, model: nn.Module, forward: Callable, chunk: int):
+    def __init__(self, model: nn.Module, forward: Callable, chunk: int | str):
         self.model, self.forward, self.chunk = model, forward, chunk
         self.linear: LinearHead | None = None
         self.fast_linear = type(self).fast_linear  # as it was when the model was prepared
@@ -288,10 +291,16 @@ class ChunkedHead:
             if self.enabled and self.fast_linear:
                 self.linear = linear_head(self.model, self.probe, hidden, head_parameters(self.model),
                                           bool(self.probe.heads))
-            logger.info("chunked loss %s for %s (%d tokens per chunk%s)", "on" if self.enabled else
-                        "off: its head is not reproduced exactly", type(self.model).__name__, self.chunk,
+            tokens = 0 if hidden is None else hidden.numel() // hidden.shape[-1]
+            logger.info("chunked loss %s for %s (%d tokens per chunk of %d%s%s)", "on" if self.enabled else
+                        "off: its head is not reproduced exactly", type(self.model).__name__,
+                        self.chunk_for(tokens), tokens, ", auto" if self.chunk == "auto" else "",
                         ", linear head" if self.linear is not None else "")
         return out, hidden
+
+    def chunk_for(self, tokens: int) -> int:
+        """Tokens per chunk for a loss over ``tokens`` tokens (config/loss.py's ``loss_chunk_for``)."""
+        return loss_chunk_for(self.chunk, tokens)
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         params = head_parameters(self.model)
@@ -300,7 +309,8 @@ class ChunkedHead:
             own = (self.linear.weight, self.linear.bias)
             if all(any(p is o for o in own) for p in params if p.requires_grad):
                 head = self.linear
-        return chunked_cross_entropy(head, hidden, targets, self.chunk, params, num_items_in_batch)
+        chunk = self.chunk_for(hidden.numel() // hidden.shape[-1])  # the rows chunked_cross_entropy walks
+        return chunked_cross_entropy(head, hidden, targets, chunk, params, num_items_in_batch)
 
     def remove(self) -> None:
         if hasattr(self, "handle"):
@@ -317,7 +327,7 @@ class ChunkedLoss:
     count in as ``num_items_in_batch``.
     """
 
-    def __init__(self, model: nn.Module, chunk: int):
+    def __init__(self, model: nn.Module, chunk: int | str):
         self.model = model
         self.original = model.forward  # the bound forward of the model's class
         self.signature = inspect.signature(self.original)

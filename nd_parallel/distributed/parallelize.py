@@ -184,7 +184,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
             model._nd_parallel_cp = context_parallel.SequenceSharding(model, context_parallel.runtime_for(the_mesh,
                                                                                                         config))
     if config.pp_size == 1 and config.loss_chunk_tokens:
-        model._nd_parallel_chunked_loss = ChunkedLoss(model, config.loss_chunk_tokens)
+        model._nd_parallel_chunked_loss = ChunkedLoss(model, config.loss_chunk_size)
     if lazy is not None:  # 10
         result.loading = load_local_shards(list(getattr(model, "stages", [model])), lazy, device)
     result.replaced = _parameter_map(before, moved, dict(model.named_parameters(remove_duplicate=False)))  # 11

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nd_parallel.config.loss import loss_chunk_for
+
 CHECKPOINTING = ("none", "selective", "full")
 DTYPES = ("bf16", "fp32")
 
@@ -21,12 +23,19 @@ class Training:
     "fp32": everything in fp32."""
     lora_rank: int | None = None
     """LoRA rank: the base model is frozen (no grads, no optimizer state); None = full fine-tuning."""
-    loss_chunk: int = 256
-    """Tokens per chunk of the chunked loss (ParallelismConfig.loss_chunk_size, default "auto" = 256); 0 = HF's
-    loss on the full logits."""
+    loss_chunk: int | str = "auto"
+    """Tokens per chunk of the chunked loss (ParallelismConfig.loss_chunk_size): "auto" (default) = chosen from the
+    tokens one loss call sees (``chunk_tokens``), a positive int = that many tokens, 0 = HF's loss on the full
+    logits."""
     sequence_parallel: bool = True
     """Sequence parallelism under TP (ParallelismConfig.sequence_parallel, default "auto": on for dense models, off
     for mixture-of-experts plans): the norms' saved tensors, the layer input and the rowwise outputs are ÷ tp."""
+
+    def chunk_tokens(self, tokens: float) -> int:
+        """Tokens per chunk of a loss call over ``tokens`` tokens (this rank's micro-batch after CP's split), as the
+        chunked loss resolves it at run time (config/loss.py's ``loss_chunk_for``); 0 = HF's loss. The one place
+        the planner resolves ``loss_chunk``."""
+        return loss_chunk_for(self.loss_chunk, tokens)
 
     @property
     def compute_bytes(self) -> int:

@@ -152,11 +152,12 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
     """(the loss's bytes at the start of backward, bytes held while the layers' backward runs) on the last stage."""
     at_loss, held = logits_bytes_per_token(spec, train)
     share = vocab_share(spec, train, layout)
-    if train.loss_chunk and (train.loss_chunk < tokens or share < 1):
+    chunk = train.chunk_tokens(tokens)
+    if chunk and (chunk < tokens or share < 1):
         grad_hidden = tokens * train.compute_bytes * spec.hidden
         grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
                                      spec.vocab)
-        chunk = min(train.loss_chunk, tokens)
+        chunk = min(chunk, tokens)
         if spec.linear_head and share == 1 and layout.pp == 1:  # pipeline stages keep the probe path
             # linear_loss.py's fast path: one fp32 [c, V] buffer (logits, softmax, gradient in place; in bf16 the
             # linear's bf16 output, then the gradient cast back, beside it), the running fp32 head gradient (in

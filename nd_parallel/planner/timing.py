@@ -189,7 +189,7 @@ def _model_parallel(spec: ModelSpec, train: Training, layout: Layout, cluster: C
         if vocab_share(spec, train, layout) < 1:
             # vocabulary-parallel chunked loss: per chunk, torch's loss_parallel all-reduces the tokens' max, sum-exp
             # and target logits, and the chunk's hidden-state gradient is all-reduced
-            n = math.ceil(tokens / min(train.loss_chunk, tokens))
+            n = math.ceil(tokens / min(train.chunk_tokens(tokens), tokens))
             per_mb += n * (3 * _allreduce(FP32 * tokens / n, layout.tp, bw, lat) + _allreduce(hidden / n, layout.tp,
                                                                                                bw, lat))
         elif spec.head_tp_sharded:  # logits gathered forward, the head's input gradient all-reduced backward

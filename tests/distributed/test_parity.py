@@ -20,9 +20,9 @@ LOSS_RTOL = NORM_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
 
-# The loss is chunked by default (loss_chunk_size="auto", 256 tokens: one chunk of these short batches). Rows marked
-# C run 8-token chunks, so a rank's tokens span several chunks (and a cp shard cuts them); rows marked OFF compute
-# HF's unchunked loss, so both paths stay covered in each layout family.
+# The loss is chunked by default (loss_chunk_size="auto", at least 128 tokens: one chunk of these short batches).
+# Rows marked C run 8-token chunks, so a rank's tokens span several chunks (and a cp shard cuts them); rows marked
+# OFF compute HF's unchunked loss, so both paths stay covered in each layout family.
 C = dict(loss_chunk_size=8)
 OFF = dict(loss_chunk_size=0)
 

@@ -175,7 +175,7 @@ def split_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
     last = [stage for stage, spec in zip(stages, mine) if spec.index == num_stages - 1]
     if last and config.loss_chunk_tokens:
         runner = last[0]._nd_stage_runner
-        loss.head, runner.loss = ChunkedHead(last[0], runner.causal_lm_forward, config.loss_chunk_tokens), loss
+        loss.head, runner.loss = ChunkedHead(last[0], runner.causal_lm_forward, config.loss_chunk_size), loss
         # The last stage keeps the probe's path (not linear_loss.py's): with the linear path, cp2_pp2 training after
         # an evaluation differed from the same training without one by 1 ulp (test_train_modes), not understood yet.
         loss.head.fast_linear = False
