@@ -13,6 +13,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
 # field -> tiny value; applied where the default config has an int there (None stays None: "absent" is structure).
 SIZES = {
     "hidden_size": HIDDEN, "d_model": HIDDEN, "n_embd": HIDDEN, "n_embed": HIDDEN, "dim": HIDDEN, "embed_dim": HIDDEN,
+    "emb_dim": HIDDEN, "input_embedding_size": HIDDEN, "output_embedding_size": HIDDEN,  # XLM; RemBERT's decoupled
     "num_attention_heads": HEADS, "encoder_attention_heads": HEADS, "decoder_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS, "num_heads": HEADS,
     "num_key_value_heads": KV_HEADS, "num_kv_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "multi_query_group_num": KV_HEADS,
     "head_dim": HEAD_DIM, "kv_channels": HEAD_DIM, "global_head_dim": HEAD_DIM,
