@@ -252,9 +252,11 @@ def check_own_masks(model: nn.Module, matched: dict[str, str], tp_size: int) -> 
     from nd_parallel.models.attention_calls import computed_attention_masks
 
     for name, module in model.named_modules():
-        masks = computed_attention_masks(type(module)) if hasattr(module, "forward") else []
+        masks = computed_attention_masks(type(module))
+        if not masks:
+            continue
         split = [k for k in matched if k.startswith(name + ".")]
-        if masks and split:
+        if split:
             raise NotImplementedError(
                 f"{name} ({type(module).__name__}) computes its own attention mask ({masks[0]}) from projections the "
                 f"tp_plan splits ({split[0]}: {matched[split[0]]}); with tp_size={tp_size} that mask would not hold "
@@ -271,13 +273,17 @@ def per_head_norms(model: nn.Module, matched: dict[str, str]) -> dict[str, str]:
 
     text = text_config(model)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    # "colwise" leaves its output split over the heads (colwise_rep / _gather_output replicate it).
+    colwise: dict[str, set[str]] = {}
+    for key, style in matched.items():
+        if style == "colwise":
+            parent, _, child = key.rpartition(".")
+            colwise.setdefault(parent, set()).add(child)
     found = {}
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
         weights = [p for _, p in module.named_parameters(recurse=False)]
-        # "colwise" leaves its output split over the heads (colwise_rep / _gather_output replicate it).
-        split = {key.rpartition(".")[2] for key, style in matched.items()
-                 if style == "colwise" and key.rpartition(".")[0] == parent}
+        split = colwise.get(parent)
         if name not in matched and split and len(weights) == 1 and weights[0].shape == (head_dim,) and \
                 len(inspect.signature(module.forward).parameters) == 1 and \
                 _fed_by(type(model.get_submodule(parent)), name.rpartition(".")[2], split):

@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 import torch.nn as nn
 
-from nd_parallel.models.hf import ModelParts, UnsplittableModel, output_arity
+from nd_parallel.models.hf import ModelParts, UnsplittableModel, embedding_and_head, output_arity
 from nd_parallel.models.source import forward_tree
 
 from .split import StageSpec
@@ -80,16 +80,24 @@ def check_stand_ins(model: nn.Module, parts: ModelParts) -> None:
 _TOKEN_DERIVED_LAYER_INPUTS = ("per_layer_input", "per_layer_inputs")
 
 
+def _layer_loops(tree) -> list[tuple[ast.For, set[str]]]:
+    """Each ``for`` loop of a parsed forward, with the names its target binds (the layer variable)."""
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For)] if tree is not None else []
+    return [(loop, {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}) for loop in loops]
+
+
+def _calls_of(loop: ast.For, names: set[str]) -> list[ast.Call]:
+    return [c for c in ast.walk(loop)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in names]
+
+
 def carried_layer_state(base: nn.Module) -> list[str]:
     """What ``base.forward``'s loop over its layers hands from one layer's outputs to the next layer's inputs besides
     the hidden states (HY-V4's ``prev_topk_indices=topk_indices``), read from its source."""
-    tree = forward_tree(type(base))
     carried = []
-    for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)) if tree is not None else ():
-        layer = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}  # the loop's layer variable
+    for loop, layer in _layer_loops(forward_tree(type(base))):
         for node in ast.walk(loop):
-            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                    and isinstance(node.value.func, ast.Name) and node.value.func.id in layer
+            if not (isinstance(node, ast.Assign) and node.value in _calls_of(loop, layer)
                     and isinstance(node.targets[0], ast.Tuple)):
                 continue
             outs = {e.id for e in node.targets[0].elts[1:] if isinstance(e, ast.Name)}
@@ -103,7 +111,7 @@ def embeddings_fed_to_layers(base: nn.Module) -> list[str]:
     """Copies of the embeddings that ``base.forward`` hands every decoder layer beside the hidden states (Zamba's
     ``original_hidden_states = torch.clone(inputs_embeds)``), read from its source."""
     tree = forward_tree(type(base))
-    copies, given = set(), set()
+    copies = set()
     for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             value = node.value
@@ -112,12 +120,8 @@ def embeddings_fed_to_layers(base: nn.Module) -> list[str]:
                 value = value.args[0] if value.args else value.func.value  # torch.clone(x) or x.clone()
             if isinstance(value, ast.Name) and value.id == "inputs_embeds" and node.targets[0].id != "hidden_states":
                 copies.add(node.targets[0].id)
-        if isinstance(node, ast.For):
-            layer = {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
-            calls = [c for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
-                     and c.func.id in layer]
-            given |= {a.id for c in calls for a in (*c.args[1:], *(k.value for k in c.keywords))
-                      if isinstance(a, ast.Name)}
+    given = {a.id for loop, layer in _layer_loops(tree) for c in _calls_of(loop, layer)
+             for a in (*c.args[1:], *(k.value for k in c.keywords)) if isinstance(a, ast.Name)}
     return sorted(copies & given)
 
 
@@ -251,8 +255,7 @@ class StageRunner:
 
 
 def make_stage_module(model: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int) -> nn.Module:
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    embed_dim = getattr(emb, "embedding_dim", None)
+    embed_dim = getattr(embedding_and_head(model)[0], "embedding_dim", None)
     skeleton = build_skeleton(model, parts, spec, num_stages)
     runner = StageRunner(skeleton, parts, spec, num_stages, embed_dim if isinstance(embed_dim, int) else None)
     skeleton.forward = runner  # instance attribute: nn.Module.__call__ runs it, hooks (FSDP's too) still fire
