@@ -186,3 +186,25 @@ def test_trl_sft_trainer_keeps_its_logits_unless_chunking_was_asked_for():
     explicit = ParallelismConfig(loss_chunk_size=512)
     keep_logits_for_trl(sft, explicit)
     assert explicit.loss_chunk_tokens == 512
+
+
+def test_the_head_check_on_a_pipeline_stage_metadata_call_tells_a_soft_capped_head_from_a_linear_one():
+    """A pipeline stage's first call is torch's metadata inference, a forward on torch.empty buffers: the chunked
+    loss checks its head there. On zeros a soft-capped head gives what a plain linear map gives (0) and would take the
+    linear fast path, dropping the soft-capping; the stage swaps the buffer for fixed normal values
+    (pipeline/stage._not_garbage), on which the check sees the soft-capping."""
+    from nd_parallel.distributed.chunked_loss import ChunkedHead
+    from nd_parallel.distributed.pipeline.stage import _not_garbage
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma2", **HEADS["gemma2"]), attn_implementation="eager")
+    forward = type(model).forward.__get__(model.train())
+    shape = (2, 24, model.config.hidden_size)
+    fooled = ChunkedHead(model, forward, 4)
+    fooled.run(inputs_embeds=torch.zeros(shape))
+    assert fooled.checked and fooled.linear is not None  # what deciding on zeros does
+    fooled.remove()
+    head = ChunkedHead(model, forward, 4)
+    head.run(inputs_embeds=_not_garbage(torch.full(shape, float("nan"))))
+    assert head.checked and head.enabled and head.linear is None  # soft-capped: the probe's path
+    head.remove()

@@ -1,6 +1,7 @@
 """The pipeline split is pure: module names per stage, checked without any process."""
 
 import pytest
+import torch
 import torch.nn as nn
 
 from nd_parallel import NDParallelPlugin, ParallelismConfig
@@ -138,3 +139,38 @@ def test_the_models_pp_plan_names_the_layer_stack():
     # A longer ModuleList elsewhere would win the "longest list" guess; the pp_plan still names the layers.
     model.model.extra = nn.ModuleList([nn.Identity() for _ in range(5)])
     assert model_parts(model).layers_fqn == "model.layers"
+
+
+def test_metadata_inference_calls_are_marked_and_see_fixed_values():
+    """torch's pipelining runs a stage on torch.empty buffers to infer shapes; the pipeline's loss is told for the
+    length of that call, and the stage swaps the buffer for fixed normal values (the chunked loss checks its head on
+    that call). The methods are torch's private API: this fails when a torch release renames them."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from nd_parallel.distributed.pipeline.stage import _not_garbage
+    from nd_parallel.distributed.pipeline.torch_backend import METADATA_METHODS, mark_metadata_calls
+
+    assert hasattr(PipelineStage, "_forward_metadata_inference") or hasattr(PipelineStage, "_shape_inference")
+
+    class Loss:
+        metadata_call = False
+
+    loss, seen = Loss(), []
+
+    class Stage:
+        def _forward_metadata_inference(self, x):
+            seen.append(loss.metadata_call)
+            raise ValueError(x)
+
+    stage = mark_metadata_calls(Stage(), loss)
+    with pytest.raises(ValueError):
+        stage._forward_metadata_inference(1)
+    assert seen == [True] and loss.metadata_call is False and "_shape_inference" in METADATA_METHODS
+
+    garbage = torch.full((2, 3, 4), float("nan"), requires_grad=True)
+    fixed = _not_garbage(garbage)
+    assert torch.isfinite(fixed).all() and torch.equal(fixed, _not_garbage(torch.empty(2, 3, 4)))
+    fixed.sum().backward()  # still connected: torch infers the input gradient's metadata through it
+    assert garbage.grad is not None and not garbage.grad.any()
+    ids = torch.ones(2, 3, dtype=torch.long)
+    assert _not_garbage(ids) is ids

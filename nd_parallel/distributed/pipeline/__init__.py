@@ -176,9 +176,6 @@ def split_pipeline(model: nn.Module, mesh, config, device: torch.device) -> Pipe
     if last and config.loss_chunk_tokens:
         runner = last[0]._nd_stage_runner
         loss.head, runner.loss = ChunkedHead(last[0], runner.causal_lm_forward, config.loss_chunk_size), loss
-        # The last stage keeps the probe's path (not linear_loss.py's): with the linear path, cp2_pp2 training after
-        # an evaluation differed from the same training without one by 1 ulp (test_train_modes), not understood yet.
-        loss.head.fast_linear = False
     counts = [len(s.layers) for s in specs]
     logger.info("applied PP over %d ranks: %d stages (layers per stage %s), schedule %s, %d micro-batches",
                 config.pp_size, num_stages, counts, config.pp_schedule, config.microbatches)

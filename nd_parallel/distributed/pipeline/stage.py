@@ -233,6 +233,8 @@ class StageRunner:
         if self.is_first:
             inputs = dict(input_ids=x)
         else:
+            if self.loss is not None and self.loss.metadata_call:
+                x = _not_garbage(x)
             # transformers needs *some* input to derive shapes, masks and positions; the real activation
             # replaces these zeros at the first owned layer (after any embedding scaling, which zeros ignore).
             self.injected = x
@@ -252,6 +254,20 @@ class StageRunner:
         if self.embed_dim is None or (x.dim() == 3 and x.shape[-1] == self.embed_dim):
             return torch.zeros_like(x)
         return x.new_zeros(x.shape[0], x.shape[1], self.embed_dim)
+
+
+def _not_garbage(x: torch.Tensor) -> torch.Tensor:
+    """Fixed normal values in place of the activation torch's metadata inference hands a stage: a torch.empty buffer
+    (pipeline/torch_backend.py). The chunked loss checks its head once, on its first call, which is that one: on
+    zeros a soft-capped head looks linear, and on NaN the check failed, so the path the loss took depended on what
+    the allocator held (an evaluation before training changed it: 1 ulp under cp2_pp2). The same values on every
+    rank and in every run: the same decision. Selected by ``where``, not written in place or detached: torch
+    infers the input gradient's metadata through this tensor (x may be FSDP's view of it: no in-place write)."""
+    if not x.is_floating_point():
+        return x
+    g = torch.Generator(device=x.device).manual_seed(0)
+    fixed = torch.randn(x.shape, generator=g, dtype=x.dtype, device=x.device)
+    return torch.where(torch.ones((), dtype=torch.bool, device=x.device), fixed, x)
 
 
 def make_stage_module(model: nn.Module, parts: ModelParts, spec: StageSpec, num_stages: int) -> nn.Module:

@@ -27,6 +27,31 @@ logger = logging.getLogger(__name__)
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # logits dtypes, by index on the wire
 
 
+# torch's pipelining infers the shapes between stages by running each stage's forward, and the last stage's loss and
+# backward, on torch.empty buffers: uninitialised memory, zeros or NaN or anything. It does so whenever a schedule
+# first runs a kind of step (a training step after an evaluation on the same schedule: again). The method names are
+# torch's private API: 2.13's and the earlier releases' (tests/unit/test_pp_split.py checks they exist).
+METADATA_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference", "_shape_inference")
+
+
+def mark_metadata_calls(stage: PipelineStage, loss: PipelineLoss) -> PipelineStage:
+    """Sets ``loss.metadata_call`` while ``stage`` infers metadata (see above)."""
+    for name in METADATA_METHODS:
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
+
+        def marked(*args, _inner=inner, **kwargs):
+            loss.metadata_call = True
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                loss.metadata_call = False
+
+        setattr(stage, name, marked)
+    return stage
+
+
 class PipelineLoss:
     """Per micro-batch: HF's own causal-LM loss, summed over tokens and divided by the *global* token count.
 
@@ -43,6 +68,7 @@ class PipelineLoss:
         self.head = None  # ChunkedHead of this rank's last stage, when the loss is chunked
         self.training = False  # set per call: evaluation keeps the full logits
         self.stats: list[torch.Tensor] | None = None  # token sums per call, when the caller asks (token_stats)
+        self.metadata_call = False  # True while torch infers metadata on garbage (mark_metadata_calls)
 
     def chunks(self) -> bool:
         """Whether the last stage hands over hidden states this call (its runner asks before each forward)."""
@@ -53,7 +79,7 @@ class PipelineLoss:
             targets = labels if self.shifted else shifted_targets(labels, None)
             return self.head.loss(output, targets, self.total_tokens)
         extra = {"shift_labels": labels} if self.shifted else {}
-        if self.stats is not None:
+        if self.stats is not None and not self.metadata_call:  # garbage counts no token
             self.stats.append(token_stats(output, labels, self.shifted))
         return self.loss_function(output, labels, self.vocab_size, num_items_in_batch=self.total_tokens, **extra)
 
@@ -111,8 +137,8 @@ class PipelineModel(nn.Module):
         if shape not in self._schedules:
             info = SCHEDULES[self.schedule_name]
             group = self.mesh["pp"].get_group()
-            pipe_stages = [PipelineStage(m, s.index, self.num_stages, self.device, group=group)
-                           for m, s in zip(self.stages, self.specs)]
+            pipe_stages = [mark_metadata_calls(PipelineStage(m, s.index, self.num_stages, self.device, group=group),
+                                               self.loss) for m, s in zip(self.stages, self.specs)]
             kwargs = dict(n_microbatches=self.microbatches, loss_fn=self.loss, scale_grads=False)
             self._schedules[shape] = info.cls(pipe_stages if info.multi_stage else pipe_stages[0], **kwargs)
         return self._schedules[shape]
