@@ -20,6 +20,12 @@ machine noise hits them alike.
   (the planner's 16·t·V) less the saving, next to the planner's own ratio, for the chunked loss as it runs and
   for its generic path. The goal is <= 1/8. **chunk**: the tokens per chunk ``--chunk`` gives at this layout's
   tokens per loss call (config/loss.py's ``loss_chunk_for``).
+- **loss term in forward chunked / HF**: the same over the forward alone (the peak from the step's start to the end
+  of the forward), where both variants hold the same activations and FSDP2's reduce-scatter of the root group's
+  gradients at the end of backward (the whole step's peak under FSDP2 and CP2 at vocab 128k, whatever the loss)
+  has not run: HF's forward holds 8·t·V of its loss (fp32 logits and log-softmax output), the chunked loss all of
+  its own (its backward runs inside the forward). Not for PP2, whose forward call runs the whole schedule (and has
+  no FSDP).
 - **step time**: forward + backward + AdamW step, median over the timed steps, slowest rank: chunked / HF and
   chunked / generic (the fast path against the path it replaces).
 
@@ -75,12 +81,11 @@ def loss_terms(name: str, seq: int, args) -> tuple[float, float, float]:
     (planner/memory.py, validated against a measured step in tests/unit/test_planner.py): HF's logits, log-softmax
     and both gradients in fp32, 16·t·V. The generic path: one chunk of those over V/tp, the hidden states' gradient
     4·t·h and two fp32 copies of the head's gradient 2·4·V·h/tp. The linear fast path (not under TP2 here): one fp32
-    chunk buffer 4·c·V, 4·t·h and one head gradient 4·V·h. PP2's last stage keeps the generic path
-    (pipeline/__init__.py)."""
+    chunk buffer 4·c·V, 4·t·h and one head gradient 4·V·h."""
     t, v, h, tp = _tokens_per_loss(name, seq), args.vocab, args.hidden, _vocab_split(name)
     c = chunk_tokens(name, seq, args)
     generic = 16 * c * v / tp + 4 * t * h + 8 * v * h / tp
-    fast = tp == 1 and name != "pp2"
+    fast = tp == 1
     return 16 * t * v, 4 * c * v + 4 * t * h + 4 * v * h if fast else generic, generic
 
 
@@ -114,7 +119,7 @@ def worker(args) -> None:
         model, opt, loader = accelerator.prepare(model, opt, loader)
         ChunkedHead.fast_linear = True
         runs[variant] = (accelerator, model, opt, next(iter(loader)))
-    peaks, times = {}, {v: [] for v in runs}
+    peaks, forward_peaks, times = {}, {}, {v: [] for v in runs}
     measured_at = max(1, args.warmup)  # after a step, so gradients exist and count as state
     for step in range(measured_at + 1 + args.steps):
         for variant, (accelerator, model, opt, batch) in runs.items():
@@ -126,6 +131,7 @@ def worker(args) -> None:
                 before = peak.current
                 with peak:
                     out = model(**batch)
+                    forward_peaks[variant] = peak.peak - before
                     accelerator.backward(out.loss)
                 peaks[variant] = peak.peak - before
             else:
@@ -136,8 +142,10 @@ def worker(args) -> None:
             out.loss.item()
             if step > measured_at:
                 times[variant].append(time.perf_counter() - start)
-    every = _common.gather({"peak": peaks, "time": {v: statistics.median(t) for v, t in times.items()}})
-    _common.write_result(args, {key: {v: max(r[key][v] for r in every) for v in runs} for key in ("peak", "time")})
+    every = _common.gather({"peak": peaks, "forward": forward_peaks,
+                            "time": {v: statistics.median(t) for v, t in times.items()}})
+    _common.write_result(args, {key: {v: max(r[key][v] for r in every) for v in runs}
+                                for key in ("peak", "forward", "time")})
 
 
 def parse_args(argv):
@@ -152,7 +160,8 @@ def parse_args(argv):
 HEAD = ["seq", "layout", "chunk", "peak HF (MiB)", "peak chunked (MiB)", "peak generic (MiB)", "chunked / HF",
         "saved (MiB)",
         "HF logits 4·s·b·V (MiB)", "one chunk 4·c·V/tp (MiB)", "saved / HF logits", "loss term chunked / HF",
-        "planner's", "loss term generic / HF", "planner's (generic)", "time chunked / HF", "time chunked / generic"]
+        "planner's", "loss term in forward chunked / HF", "loss term generic / HF", "planner's (generic)",
+        "time chunked / HF", "time chunked / generic"]
 
 
 def table_row(seq: int, name: str, res: dict, args) -> list[str]:
@@ -163,10 +172,18 @@ def table_row(seq: int, name: str, res: dict, args) -> list[str]:
     hf_term, chunked_term, generic_term = (b / _common.MB for b in loss_terms(name, seq, args))
     # measured: HF's loss term (its formula) less what the chunked run saved on the same step
     measured, measured_generic = ((hf_term - (hf - peak)) / hf_term for peak in (ours, generic))
+    # the same over the forward alone, where both hold the same activations and no FSDP reduce-scatter runs: HF's
+    # forward holds 8·t·V of its loss (logits and log-softmax output, fp32), the chunked loss all of its own (its
+    # backward runs inside the forward); not under PP, whose forward call runs the whole schedule
+    forward = res.get("forward", {})
+    in_forward = (8 * _tokens_per_loss(name, seq) * args.vocab / _common.MB
+                  - (forward.get("hf", float("nan")) - forward.get("chunked", float("nan"))) / _common.MB) / hf_term
+    in_forward = float("nan") if name == "pp2" else in_forward
     time = {v: res["time"].get(v, float("nan")) for v in ("chunked", "hf", "generic")}  # --variants may omit some
     return [seq, name, c, f"{hf:.0f}", f"{ours:.0f}", f"{generic:.0f}", f"{ours / hf:.2f}", f"{hf - ours:.0f}",
             f"{logits:.0f}", f"{chunk:.0f}", f"{(hf - ours) / logits:.2f}", f"{measured:.3f}",
-            f"{chunked_term / hf_term:.3f}", f"{measured_generic:.3f}", f"{generic_term / hf_term:.3f}",
+            f"{chunked_term / hf_term:.3f}", f"{in_forward:.3f}", f"{measured_generic:.3f}",
+            f"{generic_term / hf_term:.3f}",
             f"{time['chunked'] / time['hf']:.2f}x", f"{time['chunked'] / time['generic']:.2f}x"]
 
 
