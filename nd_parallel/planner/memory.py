@@ -290,6 +290,8 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
         comm += 4 * b * tokens * spec.kv_dim / layout.tp
     grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0
+    if p > 1 and fully_shard:  # torch's schedules skip FSDP's gradient sync before the last micro-batch: whole
+        grads_at_peak *= shard
     states = {"params": params, "grads": grads_at_peak, "optimizer": optimizer}
     start = {**states, "activations": activations, "logits": logits, "pipeline_inflight": pipeline,
              "comm_buffers": comm, "recompute": 0.0, "layer_backward": 0.0}

@@ -98,3 +98,13 @@ def test_lora_holds_no_head_gradient(llama):
     train = Training(seq_len=256, global_batch=8, dtype="fp32", lora_rank=8)
     start = peak_memory(llama, train, Layout(1, 4, 1, 1, 1, micro_batch=2), CPU).moments["backward start"]
     assert start["logits"] == 4 * 128 * 4096 + 4 * 512 * 256  # one chunk's buffer and the hidden states' gradient
+
+
+def test_pipeline_fsdp_accumulates_whole_gradients(llama):
+    """PP2 x FSDP2, 1F1B, 2 micro-batches: the last stage starts its second backward with the first one's gradients,
+    whole (torch's schedules skip FSDP's reduce-scatter before the last micro-batch; measured on qwen3: three
+    head-sized fp32 buffers at its peak, the accumulated one beside the chunked loss's two)."""
+    lay = Layout(1, 2, 1, 1, 2, micro_batch=2, microbatches=2, schedule="1f1b")
+    train = Training(seq_len=256, global_batch=8, dtype="fp32")
+    last = peak_memory(llama, train, lay, CPU)
+    assert last.pp_rank == 1 and last.parts["grads"] == 2 * last.parts["params"]  # whole = 2 x the FSDP2 shard
