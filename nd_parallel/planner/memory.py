@@ -182,8 +182,9 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
             low = train.compute_bytes if train.compute_bytes < FP32 else 0
             loss = chunk * (FP32 + low) * spec.vocab + grad_hidden + grad_head * (1 + low / FP32)
         else:
-            # the probe's path: one chunk's buffers, the running head gradient and the chunk's own
-            loss = chunk * at_loss * share + grad_hidden + 2 * grad_head
+            # the probe's path: one chunk's buffers, the running fp32 head gradient and the chunk's own (in the
+            # compute dtype: bf16 beside the fp32 sum)
+            loss = chunk * at_loss * share + grad_hidden + grad_head * (1 + train.compute_bytes / FP32)
         # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward; the
         # hidden states' gradient of the one whose backward runs is consumed by its last layer, its head's is not
         others = (flight - 1) * (grad_hidden + grad_head)
@@ -293,8 +294,11 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     if p > 1 and fully_shard:  # torch's schedules skip FSDP's gradient sync before the last micro-batch: whole
         grads_at_peak *= shard
     states = {"params": params, "grads": grads_at_peak, "optimizer": optimizer}
+    # Under PP the loss runs after the stage's forward returned, when FSDP's root post-forward has freed the last
+    # layer's all-gather output (measured: no layer-sized buffer at a pipeline stage's loss, one without PP)
+    start_comm = comm - (b * unsharded_layer(spec, layout) if fully_shard and p > 1 else 0.0)
     start = {**states, "activations": activations, "logits": logits, "pipeline_inflight": pipeline,
-             "comm_buffers": comm, "recompute": 0.0, "layer_backward": 0.0}
+             "comm_buffers": start_comm, "recompute": 0.0, "layer_backward": 0.0}
     if fully_shard and cluster.device == "cuda":  # the prefetch: counted by _layer_backward
         comm -= b * unsharded_layer(spec, layout)
     mid = {**start, "logits": held_logits, "recompute": tokens * recompute, "comm_buffers": comm + a2a,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nd_parallel.planner import Cluster, Layout, Training, model_spec, peak_memory
-from nd_parallel.planner.memory import layer_activation_bytes, layer_params_per_rank, unsharded_layer
+from nd_parallel.planner.memory import layer_activation_bytes, layer_params_per_rank, rank_memory, unsharded_layer
 from nd_parallel.planner.meta import meta_model
 from nd_parallel.testing.models import tiny_config
 
@@ -106,5 +106,7 @@ def test_pipeline_fsdp_accumulates_whole_gradients(llama):
     head-sized fp32 buffers at its peak, the accumulated one beside the chunked loss's two)."""
     lay = Layout(1, 2, 1, 1, 2, micro_batch=2, microbatches=2, schedule="1f1b")
     train = Training(seq_len=256, global_batch=8, dtype="fp32")
-    last = peak_memory(llama, train, lay, CPU)
-    assert last.pp_rank == 1 and last.parts["grads"] == 2 * last.parts["params"]  # whole = 2 x the FSDP2 shard
+    last = rank_memory(llama, train, lay, CPU, 1).moments["backward start"]
+    assert last["grads"] == 2 * last["params"]  # whole = 2 x the FSDP2 shard
+    # its loss runs after the stage's forward returned: the root's copy (head, final norm), no layer all-gather left
+    assert last["comm_buffers"] == 4 * (4096 * 256 + 256)
