@@ -1,8 +1,9 @@
 """Validate the planner: predicted vs measured peak memory per rank and step time, on 4 CPU ranks (gloo, fp32).
 
 For two model shapes (a Llama with untied embeddings, a Qwen3 with per-head q/k norms and tied embeddings) and
-14 layouts each (FSDP, DDP, HSDP, TP, CP, PP with 1F1B and GPipe, full activation checkpointing, LoRA), one launch
-of 4 ranks trains every layout for a few steps and measures:
+17 layouts each (FSDP, DDP, HSDP, TP, CP, PP with 1F1B and GPipe, full activation checkpointing, LoRA; the chunked
+loss, vocabulary-parallel under TP, and SP, with HF's loss and TP without SP beside), one launch of 4 ranks trains
+every layout for a few steps and measures:
 - the peak of live tensor memory per rank over one training step (forward, backward, AdamW step), allocator
   level: a TorchDispatchMode that follows every storage an op creates until it is freed, plus the parameters,
   gradients and optimizer state alive when the step starts (the count torch.distributed._tools.mem_tracker.MemTracker keeps);
@@ -21,7 +22,7 @@ No other estimator is printed beside ours: accelerate's `estimate-memory` gives 
 layout, activations or logits, and DeepSpeed's ZeRO-3 estimator model states only; neither predicts what is
 measured here (a rank's peak of live tensors in a training step), so a ratio to it would not compare like with like.
 
-    python benchmarks/bench_planner.py                # in-sample: both shapes, 14 layouts each (~10 min)
+    python benchmarks/bench_planner.py                # in-sample: both shapes, 17 layouts each (~6 min)
     python benchmarks/bench_planner.py --held-out     # out-of-sample: the HELD_OUT shapes, same layouts
     python benchmarks/bench_planner.py --quick        # 4 layouts of the first shape
     python benchmarks/bench_planner.py --json runs/bench_planner.json
@@ -74,6 +75,10 @@ LAYOUTS = {
     "fsdp4_full_ckpt": (dict(dp_shard_size=4, activation_checkpointing="full"), {}),
     "cp2_fsdp2_full_ckpt": (dict(cp_size=2, dp_shard_size=2, activation_checkpointing="full"), {}),
     "fsdp4_lora": (dict(dp_shard_size=4), {"lora": 8}),
+    # the rows above run the defaults (chunked loss, vocabulary-parallel under TP; SP under TP); these the other side
+    "fsdp4_hf_loss": (dict(dp_shard_size=4, loss_chunk_size=0), {}),
+    "fsdp2_tp2_hf_loss": (dict(dp_shard_size=2, tp_size=2, loss_chunk_size=0), {}),
+    "fsdp2_tp2_no_sp": (dict(dp_shard_size=2, tp_size=2, sequence_parallel=False), {}),
 }
 # Added once bf16 mixed precision and selective checkpointing landed (run them with --layouts; see docs).
 EXTRA = {
@@ -138,11 +143,10 @@ def _op_rates(timed) -> tuple[float, float]:
 
     from nd_parallel.planner.ops import _Count
 
-    n_ops = 50
     x = torch.zeros(8, requires_grad=True)
 
     def chain(t):
-        for _ in range(n_ops):
+        for _ in range(50):
             t = t * 1.5
         return t.sum()
 
@@ -257,12 +261,9 @@ def _layout(name: str, args):
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x):
+    def ranks(x):  # the position of each value in sorted order
         order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
-        return r
+        return [float(order.index(i)) for i in range(len(x))]
     ra, rb = ranks(a), ranks(b)
     n = len(a)
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
@@ -282,10 +283,10 @@ def report(data: dict, args, model_dirs: dict) -> dict:
     for key, run in data["runs"].items():
         shape, name = key.split("/")
         lay, extra = _layout(name, args)
-        lora = extra.get("lora")
-        spec = spec_from_path(model_dirs[shape])
-        train = Training(seq_len=_seq(shape, args), global_batch=args.global_batch,
-                         dtype="bf16" if extra.get("bf16") else "fp32", lora_rank=lora)
+        spec, kw = spec_from_path(model_dirs[shape]), LAYOUTS[name][0]
+        train = Training(seq_len=_seq(shape, args), global_batch=args.global_batch, lora_rank=extra.get("lora"),
+                         dtype="bf16" if extra.get("bf16") else "fp32", loss_chunk=kw.get("loss_chunk_size", "auto"),
+                         sequence_parallel=kw.get("sequence_parallel", True))
         mem = peak_memory(spec, train, lay, cluster)
         row = {"shape": shape, "layout": name, "predicted_peak": mem.peak, "predicted_phase": mem.phase,
                "predicted_parts": mem.parts, "predicted_step_s": sum(step_time(spec, train, lay, cluster).values())}
@@ -378,19 +379,18 @@ def parse_args(argv):
 def parent(args, argv) -> None:
     if args.held_out:
         args.shapes = ",".join(HELD_OUT)
-    if args.from_json:  # predict again (the model may have changed) against the stored measurements
-        old = json.loads(Path(args.from_json).read_text())
-        with tempfile.TemporaryDirectory() as tmp:
-            return print_report(report(old["raw"], args, _save_models(args, tmp)))
-    if args.quick:
+    if args.quick and not args.from_json:  # a re-print covers every shape the stored run measured
         args.layouts, args.shapes, args.steps = ",".join(QUICK), args.shapes.split(",")[0], 2
     with tempfile.TemporaryDirectory() as tmp:
         dirs = _save_models(args, tmp)
-        seqs = {shape: _seq(shape, args) for shape in dirs}
-        forwarded = [f"--seq={args.seq}", f"--global-batch={args.global_batch}", f"--steps={args.steps}",
-                     f"--layouts={args.layouts}", f"--models={json.dumps(dirs)}", f"--seqs={json.dumps(seqs)}"]
-        data = _common.launch_self(__file__, WORLD, forwarded, timeout=3000,
-                                   env={"TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"})
+        if args.from_json:  # predict again (the model may have changed) against the stored measurements
+            data = json.loads(Path(args.from_json).read_text())["raw"]
+        else:
+            seqs = {shape: _seq(shape, args) for shape in dirs}
+            forwarded = [f"--seq={args.seq}", f"--global-batch={args.global_batch}", f"--steps={args.steps}",
+                         f"--layouts={args.layouts}", f"--models={json.dumps(dirs)}", f"--seqs={json.dumps(seqs)}"]
+            data = _common.launch_self(__file__, WORLD, forwarded, timeout=3000,
+                                       env={"TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"})
         rep = report(data, args, dirs)
     print_report(rep)
     _common.write_json(args.json, rep)

@@ -31,9 +31,14 @@ a balanced router (each rank's experts receive top-k x its own tokens' rows; an 
 min(ep, experts / top-k) times that on one rank, which is not added); the all-to-all buffers live only while a MoE
 layer runs, so they are counted in the backward-recompute moment, not at the loss.
 
-The peak is the larger of two moments on the busiest pipeline rank: the start of backward (everything saved by
-the in-flight forwards, the logits buffers, the FSDP unsharded copies) and the optimizer step (states plus the
-step's temporary). The reported breakdown is the one at that moment, so it sums to the peak.
+The peak is the largest of three moments on the busiest pipeline rank: the start of backward (everything saved by
+the in-flight forwards, the loss's buffers, the FSDP unsharded copies), inside a layer's backward (what the loss
+leaves alive: the held logits or the head's gradient; the layer's recomputed activations and its input gradients;
+under FSDP the next layer's prefetched all-gather and the previous layer's reduce-scatter input; the gradients of
+the layers already done), and the optimizer step (states plus the step's temporary). With HF's loss the first one
+dominates; with the chunked loss (the default) the loss's term is small and the peak moves into the first layer's
+backward, or under full checkpointing into a later one's (measured: benchmarks/bench_planner.py). The reported
+breakdown is the one at that moment, so it sums to the peak; `RankMemory.moments` has all three.
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ class RankMemory:
     phase: str
     parts: dict[str, int] = field(default_factory=dict)
     layout: Layout | None = None
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Every moment's breakdown (the peak is the largest): "backward start", "layer backward", "optimizer step"."""
 
     @property
     def peak(self) -> int:
@@ -119,18 +126,19 @@ def layer_activation_bytes(spec: ModelSpec, train: Training, tp: int, mode: str,
     norm = _norm_bytes(train)
     sp = sequence_split(spec, train, tp)
     norms = 2 * norm_activation_bytes(train, h, sp)
-    if spec.qk_norm:
-        norms += norm * (q + kv)
+    if spec.qk_norm:  # its output goes to RoPE, which saves none of it: the norm's input and normalised value only
+        norms += (norm - b) * (q + kv) + FP32 * (spec.heads + spec.kv_heads) / tp  # + the per-head fp32 rsqrt
     attention = b * (q + 2 * kv + q) + FP32 * spec.heads / tp  # q, k, v, out (o_proj's input shares it), lse
     moe = routed_bytes_per_token(spec, train) + router_bytes_per_token(spec, train)
-    full_layer = norms + attention + b * mlp_tensors * f + moe
+    lora = b * train.lora_rank * len(spec.lora_linears) if train.lora_rank else 0.0  # each B saves A's output
+    full_layer = norms + attention + b * mlp_tensors * f + moe + lora
     if mode == "none":
         return full_layer, 0.0
     if mode == "full":
         return b * h / sp, full_layer
     # selective: layer input, q/k/v, attention out + lse, o_proj out, the MLP's up-projections, down out
     saved = (b * h / sp + b * (q + 2 * kv) + b * q + FP32 * spec.heads / tp + b * h / sp + b * f * (mlp_tensors // 2)
-             + b * h / sp + moe)
+             + b * h / sp + moe + lora)
     return saved, max(full_layer - saved, 0.0)
 
 
@@ -148,15 +156,24 @@ def vocab_share(spec: ModelSpec, train: Training, layout: Layout) -> float:
     return 1 / layout.tp if train.loss_chunk and split else 1.0
 
 
+def head_grad_bytes(spec: ModelSpec, train: Training, layout: Layout) -> float:
+    """The head's fp32 weight gradient on this rank (÷ tp where the plan splits it by vocabulary), whole over the dp
+    ranks: it is formed at the loss and lives until the optimizer step, or under FSDP until the root group's
+    reduce-scatter after the last layer's backward. None under LoRA: peft's all-linear leaves the head frozen."""
+    if train.lora_rank is not None:
+        return 0.0
+    return FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp, spec.vocab)
+
+
 def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, flight: float) -> tuple[float, float]:
-    """(the loss's bytes at the start of backward, bytes held while the layers' backward runs) on the last stage."""
+    """(the loss's bytes at the start of backward, bytes it leaves alive while the layers' backward runs) on the last
+    stage."""
     at_loss, held = logits_bytes_per_token(spec, train)
     share = vocab_share(spec, train, layout)
     chunk = train.chunk_tokens(tokens)
+    grad_head = head_grad_bytes(spec, train, layout)
     if chunk and (chunk < tokens or share < 1):
         grad_hidden = tokens * train.compute_bytes * spec.hidden
-        grad_head = FP32 * _tp_split(spec.head_params or spec.vocab * spec.hidden, spec.head_tp_sharded, layout.tp,
-                                     spec.vocab)
         chunk = min(chunk, tokens)
         if spec.linear_head and share == 1 and layout.pp == 1:  # pipeline stages keep the probe path
             # linear_loss.py's fast path: one fp32 [c, V] buffer (logits, softmax, gradient in place; in bf16 the
@@ -165,13 +182,18 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
             low = train.compute_bytes if train.compute_bytes < FP32 else 0
             loss = chunk * (FP32 + low) * spec.vocab + grad_hidden + grad_head * (1 + low / FP32)
         else:
-            # the probe's path: one chunk's buffers, the running head gradient and the chunk's own
-            loss = chunk * at_loss * share + grad_hidden + 2 * grad_head
-        # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward
-        return loss + (flight - 1) * (grad_hidden + grad_head), 0.0
+            # the probe's path: one chunk's buffers, the running fp32 head gradient and the chunk's own (in the
+            # compute dtype: bf16 beside the fp32 sum)
+            loss = chunk * at_loss * share + grad_hidden + grad_head * (1 + train.compute_bytes / FP32)
+        # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward; the
+        # hidden states' gradient of the one whose backward runs is consumed by its last layer, its head's is not
+        others = (flight - 1) * (grad_hidden + grad_head)
+        return loss + others, grad_head + others
     # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
-    # all of them); the one whose backward starts also has both gradients.
-    return tokens * (at_loss + (flight - 1) * (held + FP32 * spec.vocab)), tokens * held
+    # all of them); the one whose backward starts also has both gradients. Through the layers' backward the caller
+    # still holds its logits (`out`), and the head's gradient is formed.
+    others = (flight - 1) * (held + FP32 * spec.vocab)
+    return tokens * (at_loss + others), tokens * (held + others) + grad_head
 
 
 def stages_of_rank(layout: Layout, rank: int) -> list[int]:
@@ -260,7 +282,8 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     comm = 0.0
     # Unsharded compute copies: the current layer (+1 prefetched on CUDA) and the root group. Under bf16 every
     # layout has them: fully_shard runs even over one rank, to cast the fp32 weights (precision.py).
-    if layout.fsdp or train.dtype == "bf16":
+    fully_shard = layout.fsdp or train.dtype == "bf16"
+    if fully_shard:
         comm += b * unsharded_layer(spec, layout) * (2 if cluster.device == "cuda" else 1) + b * outer
     # One MoE layer's all-to-all send and receive buffers (top-k rows per token, balanced) live only while that
     # layer runs: not at the loss, where backward starts (measured, bench_planner_moe.py), but in its backward.
@@ -268,15 +291,59 @@ def rank_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Clust
     if layout.cp > 1:  # K/V blocks in flight around the ring: receive buffer + the next one, k and v
         comm += 4 * b * tokens * spec.kv_dim / layout.tp
     grads_at_peak = grads if (layout.microbatches > flight or (p == 1 and layout.microbatches > 1)) else 0
+    if p > 1 and fully_shard:  # torch's schedules skip FSDP's gradient sync before the last micro-batch: whole
+        grads_at_peak *= shard
     states = {"params": params, "grads": grads_at_peak, "optimizer": optimizer}
+    # Under PP the loss runs after the stage's forward returned, when FSDP's root post-forward has freed the last
+    # layer's all-gather output (measured: no layer-sized buffer at a pipeline stage's loss, one without PP)
+    start_comm = comm - (b * unsharded_layer(spec, layout) if fully_shard and p > 1 else 0.0)
     start = {**states, "activations": activations, "logits": logits, "pipeline_inflight": pipeline,
-             "comm_buffers": comm, "recompute": 0.0}
-    mid = {**start, "logits": held_logits, "recompute": tokens * recompute, "comm_buffers": comm + a2a}
+             "comm_buffers": start_comm, "recompute": 0.0, "layer_backward": 0.0}
+    if fully_shard and cluster.device == "cuda":  # the prefetch: counted by _layer_backward
+        comm -= b * unsharded_layer(spec, layout)
+    mid = {**start, "logits": held_logits, "recompute": tokens * recompute, "comm_buffers": comm + a2a,
+           "activations": activations - tokens * final_norm}
+    mid = _layer_backward(spec, train, layout, mid, n_layers=n_layers, tokens=tokens, saved=saved, shard=shard,
+                          fully_shard=fully_shard,
+                          trainable_layer=(layer_params_per_rank(spec, layout) if train.lora_rank is None
+                                           else spec.lora_layer_params(train.lora_rank)) / shard)
     largest = spec.largest_param / (layout.tp * shard) if cluster.device == "cpu" else trainable
     step = {**states, "grads": grads, "optimizer_step": FP32 * largest}
-    phases = {"backward start": start, "backward recompute": mid, "optimizer step": step}
-    phase = max(phases, key=lambda k: sum(phases[k].values()))
-    return RankMemory(rank, phase, {k: int(v) for k, v in phases[phase].items()})
+    phases = {"backward start": start, "layer backward": mid, "optimizer step": step}
+    moments = {name: {k: int(v) for k, v in parts.items()} for name, parts in phases.items()}
+    phase = max(moments, key=lambda k: sum(moments[k].values()))
+    return RankMemory(rank, phase, moments[phase], moments=moments)
+
+
+def _layer_backward(spec: ModelSpec, train: Training, layout: Layout, at: dict, *, n_layers: int, tokens: float,
+                    saved: float, shard: int, fully_shard: bool, trainable_layer: float) -> dict:
+    """The largest moment inside one layer's backward, over this rank's layers (measured with the allocator-level
+    tracker, benchmarks/bench_planner.py): `at` holds what every layer's backward has (the states, every saved
+    activation, the loss's leftovers, the current layer's recompute and unsharded copy); each layer adds
+    - its MLP's input gradients: the down projection's input gradient, then act(gate)'s and up's (gated), while
+      the down projection's saved input is already freed: 2 token x ffn wide net (1 ungated), plus the residual
+      stream's gradient and the down projection's fp32 weight gradient;
+    and, with j layers of this micro-batch already done (their saved activations freed):
+    - their gradients (FSDP: the reduce-scattered shards; else whole), unless the states already hold them;
+    - under FSDP the next layer's all-gather output (FSDP2 prefetches one layer in backward, on CPU too) while one
+      is left, and the previous layer's fp32 reduce-scatter input (kept until the next reduce-scatter) once j > 0.
+    Without checkpointing j = 0 is the largest (each layer frees more activations than gradients it adds); with full
+    checkpointing the one before last, where both FSDP buffers and most of the gradients are alive."""
+    b = train.compute_bytes
+    f = _ffn_per_rank(spec, layout.tp, layout.ep)
+    work = tokens * b * ((2 if spec.gated_mlp else 1) * f + spec.hidden) + FP32 * spec.hidden * f
+    unsharded = b * unsharded_layer(spec, layout)
+    # the reduce-scatter input: the gradients of what the all-gather gave (under ep: the experts' ep share), fp32
+    reduce_input = FP32 * (unsharded_layer(spec, layout) if train.lora_rank is None else trainable_layer * shard)
+    best: dict = {}
+    for j in range(max(n_layers, 1)):
+        grads = 0.0 if at["grads"] else j * FP32 * trainable_layer
+        comm = (unsharded * (j < n_layers - 1) + reduce_input * (j > 0)) if fully_shard else 0.0
+        moment = {**at, "activations": at["activations"] - j * tokens * saved, "grads": at["grads"] + grads,
+                  "comm_buffers": at["comm_buffers"] + comm, "layer_backward": work}
+        if sum(moment.values()) > sum(best.values()):
+            best = moment
+    return best
 
 
 def peak_memory(spec: ModelSpec, train: Training, layout: Layout, cluster: Cluster) -> RankMemory:

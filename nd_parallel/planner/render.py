@@ -6,7 +6,7 @@ from .search import Plan, PlanResult
 from .units import format_bytes
 
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "logits", "pipeline_inflight", "comm_buffers",
-               "recompute", "optimizer_step")
+               "recompute", "layer_backward", "optimizer_step")
 
 
 def plan_fields(plan: Plan, result: PlanResult) -> dict:
