@@ -175,7 +175,7 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
     if chunk and (chunk < tokens or share < 1):
         grad_hidden = tokens * train.compute_bytes * spec.hidden
         chunk = min(chunk, tokens)
-        if spec.linear_head and share == 1 and layout.pp == 1:  # pipeline stages keep the probe path
+        if spec.linear_head and share == 1:
             # linear_loss.py's fast path: one fp32 [c, V] buffer (logits, softmax, gradient in place; in bf16 the
             # linear's bf16 output, then the gradient cast back, beside it), the running fp32 head gradient (in
             # bf16 beside it the chunk's bf16 product)
