@@ -1,6 +1,6 @@
 """Axolotl keys with a small, local meaning that `nd-parallel train` acts on: the batch-size arithmetic, the
-cosine floor, the embedding padding, peft's extra LoRA options, the hub revision, the MoE experts kernel and exact
-deduplication of the data.
+cosine floor, the embedding padding, peft's extra LoRA options, the hub revision, the MoE experts kernel, quantized
+MoE expert tensors and exact deduplication of the data.
 
 ``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
 its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
@@ -39,6 +39,9 @@ class AxolotlExtras:
     """peft's fan_in_fan_out: the adapted layers store (in, out) weights (GPT-2's Conv1D)."""
     lora_target_parameters: list[str] | None = None
     """Parameter tensors to adapt, by name suffix (peft's target_parameters: LoRA on MoE expert tensors)."""
+    quantize_moe_experts: bool = False
+    """Quantize the MoE's fused 3-D expert tensors as they load, to load_in_4bit's / load_in_8bit's format
+    (models/quantized_experts.py: Axolotl's meaning, on any device)."""
     experts_implementation: str | None = None
     """MoE experts forward: eager, grouped_mm or batched_mm (transformers'; CUDA kernels fall back to eager)."""
     dataset_exact_deduplication: bool = False
@@ -50,7 +53,7 @@ def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = []
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
-                "bfloat16", "dataset_exact_deduplication"):
+                "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true
@@ -75,9 +78,34 @@ def extra_refusals(d: dict) -> list[str]:
                        "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
         elif d.get("adapter") not in ("lora", "qlora"):
             out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
+    out += _moe_quantization(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
+    return out
+
+
+def _moe_quantization(d: dict) -> list[str]:
+    """quantize_moe_experts: Axolotl's rules (an adapter, a 4-bit or 8-bit base, not lora_target_linear), and
+    LoRA on the quantized expert tensors themselves (peft's target_parameters does not reach a parametrized
+    tensor; Axolotl patches peft's matching for it), refused."""
+    if d.get("quantize_moe_experts") is not True:
+        return []
+    out = []
+    if d.get("adapter") not in ("lora", "qlora"):
+        out.append("quantize_moe_experts=True without an adapter: the quantized experts are frozen; set adapter: "
+                   "qlora with load_in_4bit (or adapter: lora with load_in_8bit)")
+    if not (d.get("load_in_4bit") or d.get("load_in_8bit")):
+        out.append("quantize_moe_experts=True without load_in_4bit or load_in_8bit: the experts take the base's "
+                   "format; set load_in_4bit: true with adapter: qlora (or load_in_8bit with adapter: lora)")
+    if d.get("lora_target_linear"):
+        out.append("quantize_moe_experts=True with lora_target_linear (Axolotl's rule too): name the layers with "
+                   "lora_target_modules")
+    if d.get("lora_target_parameters"):
+        out.append(f"quantize_moe_experts=True with lora_target_parameters={d['lora_target_parameters']!r}: LoRA on "
+                   "quantized expert tensors is not implemented (peft's target_parameters does not match a "
+                   "parametrized tensor); drop lora_target_parameters (the adapter on lora_target_modules trains), "
+                   "or drop quantize_moe_experts to adapt float experts")
     return out
 
 
@@ -164,9 +192,16 @@ def check_installed(optimizer: str, path) -> None:
 
 def check_layout(t: AxolotlExtras, layout, path) -> None:
     """LoRA on parameter tensors is checked under data parallelism (FSDP2, DDP) and CP only: under TP, EP and PP
-    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet."""
+    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet.
+    Quantized expert tensors (quantize_moe_experts) have no TP / EP split; PP holds them per stage."""
     split = {name: getattr(layout, name, 1) for name in ("tp_size", "ep_size", "pp_size")}
     split = {name: size for name, size in split.items() if size > 1}
+    if t.quantize_moe_experts and (split.get("tp_size") or split.get("ep_size")):
+        sizes = ", ".join(f"{k}={v}" for k, v in split.items() if k != "pp_size")
+        raise ConfigError(f"{path}: quantize_moe_experts with {sizes}: tensor and expert parallelism split the "
+                          "expert tensors, which have no split for packed bitsandbytes blocks; use dp_shard_size "
+                          "(FSDP2: the quantized experts replicated), context_parallel_size or "
+                          "pipeline_parallel_size")
     if t.lora_target_parameters and split:
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "

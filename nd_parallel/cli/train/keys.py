@@ -83,9 +83,6 @@ REFUSED = {
                                     "mistral_v7_tekken or tokenizer_default)",
     "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
            "(adapter: lora, or full fine-tuning) and quantize afterwards",
-    "quantize_moe_experts": "4-bit MoE expert tensors are not supported (QLoRA here quantizes nn.Linear layers; "
-                            "a model's fused 3D expert tensors stay unquantized): drop it; adapter: qlora with "
-                            "load_in_4bit quantizes the linear layers",
     "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
                                  "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
     "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "

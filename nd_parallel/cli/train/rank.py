@@ -45,7 +45,8 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
-    model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
+    with _experts_quantized(t):  # quantize_moe_experts: each expert tensor quantized as it is read
+        model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
     rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
     if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         # Axolotl passes mean_resizing (default False: transformers' own default, True, starts the new rows elsewhere)
@@ -107,6 +108,20 @@ def _quantization(t: TrainConfig) -> dict:
     if t.load_in_8bit:  # LLM.int8 (bitsandbytes' defaults, as Axolotl's); on CPU it trains by dequantizing per row
         return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "device_map": device}
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
+
+
+def _experts_quantized(t: TrainConfig):
+    """Axolotl's quantize_moe_experts: the experts in load_in_4bit's format (bnb_config_kwargs' quant type and
+    double quantization) or load_in_8bit's (models/quantized_experts.py)."""
+    import contextlib
+
+    if not t.quantize_moe_experts:
+        return contextlib.nullcontext()
+    from nd_parallel.models.quantized_experts import quantizing_experts
+
+    kwargs = t.bnb_config_kwargs or {}
+    return quantizing_experts(8 if t.load_in_8bit else 4, quant_type=kwargs.get("bnb_4bit_quant_type", "nf4"),
+                              double_quant=kwargs.get("bnb_4bit_use_double_quant", True))
 
 
 def _run_train(job: TrainJob) -> dict:
