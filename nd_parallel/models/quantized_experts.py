@@ -6,9 +6,10 @@ experts stacked in parameters (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``
 float, most of a MoE's weights. Axolotl (``monkeypatch/moe_quant.py``) replaces each such >= 3-D parameter, as it
 loads, by quantized data under a torch parametrization that dequantizes on access, and so do we:
 
-- 4-bit: bitsandbytes' own ``replace_parameter_4bit`` (``quantize_4bit`` of the whole tensor: 64-value blocks,
-  ``bnb_4bit_quant_type`` and ``bnb_4bit_use_double_quant`` as for the Linears), the packed bytes a frozen ``uint8``
-  parameter, dequantized to the original dtype on access (cached for one forward of the module);
+- 4-bit: bitsandbytes' ``replace_parameter_4bit`` (``quantize_4bit`` of the whole tensor: 64-value blocks,
+  ``bnb_4bit_quant_type`` and ``bnb_4bit_use_double_quant`` as for the Linears; its ``Bnb4bitParametrization``),
+  the packed bytes a frozen ``uint8`` parameter, dequantized to the original dtype on access (cached for one
+  forward of the module);
 - 8-bit: int8 rows with one scale per row (``int8_vectorwise_quant`` of the fp16 tensor, Axolotl's recipe),
   dequantized on access to the original dtype.
 
@@ -19,8 +20,8 @@ every rule there applies (no training without an adapter; left out of FSDP2's sh
 Where Axolotl acts only on CUDA tensors (on a CPU load its patch leaves the experts in float, silently), we quantize
 on any device: bitsandbytes 0.50's CPU backend quantizes and dequantizes the same formats.
 
-The parameter's name gains torch's parametrization path (``mlp.experts.parametrizations.gate_up_proj.original``);
-the module's state dict keeps the HF name (bitsandbytes' post-hook writes ``gate_up_proj`` and its quant state).
+The packed data's name is torch's parametrization path (``mlp.experts.parametrizations.gate_up_proj.original``), in
+``named_parameters`` and in the state dict alike (see ``quantize_tensor``); the same in every layout.
 """
 
 from __future__ import annotations
@@ -62,22 +63,32 @@ def _cache_off(module, inputs, output):
 
 def quantize_tensor(module: nn.Module, name: str, bits: int, quant_type: str = "nf4",
                     double_quant: bool = True) -> None:
-    """Replace ``module.<name>`` by its ``bits``-bit quantized data under a dequantizing parametrization (frozen)."""
-    if bits == 4:
-        from bitsandbytes.nn.parametrize import replace_parameter_4bit
+    """Replace ``module.<name>`` by its ``bits``-bit quantized data under a dequantizing parametrization (frozen).
 
-        replace_parameter_4bit(module, name, compress_statistics=double_quant, quant_type=quant_type)
-        return
+    4-bit is bitsandbytes' ``replace_parameter_4bit`` (the same call, the same bytes) without its state-dict hook,
+    which renames the data to ``<name>`` and adds ``<name>.absmax`` etc.: torch's distributed state dict resolves
+    every key by ``getattr`` along its dotted name, and ``module.<name>`` is the dequantized tensor, which has no
+    ``absmax``. The data stays under torch's own name (``parametrizations.<name>.original``), which resolves; the
+    quantization statistics are not saved (a frozen base is quantized again from its checkpoint at every load, to
+    the same bytes)."""
     import bitsandbytes.functional as bnbf
 
     weight = getattr(module, name)
-    data, row_stats, _ = bnbf.int8_vectorwise_quant(weight.data.reshape(-1, weight.shape[-1]).to(torch.float16))
-    setattr(module, name, nn.Parameter(data.reshape(weight.shape), requires_grad=False))
-    P.register_parametrization(module, name, Int8RowsParametrization(row_stats, weight.dtype), unsafe=True)
-    if not getattr(module, "_nd_parallel_int8_cache", False):
+    if bits == 4:
+        from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
+        data, state = bnbf.quantize_4bit(weight.data, compress_statistics=double_quant, quant_type=quant_type)
+        parametrization = Bnb4bitParametrization(state)
+    else:
+        data, row_stats, _ = bnbf.int8_vectorwise_quant(weight.data.reshape(-1, weight.shape[-1]).to(torch.float16))
+        data, parametrization = data.reshape(weight.shape), Int8RowsParametrization(row_stats, weight.dtype)
+    setattr(module, name, nn.Parameter(data, requires_grad=False))
+    del weight
+    P.register_parametrization(module, name, parametrization, unsafe=True)
+    if not getattr(module, "_nd_parallel_dequantize_cache", False):
         module.register_forward_pre_hook(_cache_on)
         module.register_forward_hook(_cache_off, always_call=True)
-        module._nd_parallel_int8_cache = True
+        module._nd_parallel_dequantize_cache = True
 
 
 def expert_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -138,3 +138,19 @@ def test_the_yaml_key_follows_axolotls_rules_and_refuses_what_is_not_implemented
     check_layout(cfg, ParallelismConfig(pp_size=2), path)
     with pytest.raises(ConfigError, match=r"quantize_moe_experts with tp_size=2: .* use dp_shard_size"):
         check_layout(cfg, ParallelismConfig(tp_size=2), path)
+
+
+def test_state_dict_names_resolve_by_getattr_and_load_back(moe_dir):
+    """torch's distributed state dict (accelerator.get_state_dict / save_state) resolves every key by getattr along
+    its dotted name: the packed experts are saved under torch's parametrization name, and load back into it (the
+4-bit Linears' own loading is bitsandbytes', not checked here)."""
+    model = _load(moe_dir, 4, experts=True)
+    state = model.state_dict()
+    assert "model.layers.0.mlp.experts.parametrizations.gate_up_proj.original" in state
+    for key in state:
+        obj = model
+        for part in key.split("."):
+            obj = getattr(obj, part)
+    experts = {k: torch.zeros_like(v) for k, v in state.items() if ".parametrizations." in k}
+    assert len(experts) == 4 and not model.load_state_dict(experts, strict=False).unexpected_keys
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())  # loaded into the packed data
