@@ -45,8 +45,11 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
-    with _experts_quantized(t):  # quantize_moe_experts: each expert tensor quantized as it is read
+    with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
         model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
+    if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
+        print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
+              f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
     rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
     if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         # Axolotl passes mean_resizing (default False: transformers' own default, True, starts the new rows elsewhere)
