@@ -154,3 +154,21 @@ def test_state_dict_names_resolve_by_getattr_and_load_back(moe_dir):
     experts = {k: torch.zeros_like(v) for k, v in state.items() if ".parametrizations." in k}
     assert len(experts) == 4 and not model.load_state_dict(experts, strict=False).unexpected_keys
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())  # loaded into the packed data
+
+
+def test_torch_distributed_state_dict_round_trips_the_quantized_experts(moe_dir, one_rank_group):
+    """get_/set_model_state_dict (what save_state / load_state use) on a model whose only quantized tensors are
+    its experts (from_pretrained without BitsAndBytesConfig, under quantizing_experts): every key resolves and
+    loads back, strict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    with quantizing_experts(4):
+        model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    assert sorted(quantized_experts(model)) == sorted(NAMES) and len(quantized_params(model)) == 4
+    saved = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+    key = "model.layers.0.mlp.experts.parametrizations.gate_up_proj.original"
+    with torch.no_grad():
+        dict(model.named_parameters())[key].zero_()
+    set_model_state_dict(model, saved)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
