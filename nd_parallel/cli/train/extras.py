@@ -1,6 +1,6 @@
 """Axolotl keys with a small, local meaning that `nd-parallel train` acts on: the batch-size arithmetic, the
-cosine floor, the embedding padding, peft's extra LoRA options, the hub revision, the MoE experts kernel, quantized
-MoE expert tensors and exact deduplication of the data.
+cosine floor and quadratic warm-up (schedules.py), model-only checkpoints, the embedding padding, peft's extra LoRA
+options, the hub revision, the MoE experts kernel, quantized MoE expert tensors and exact deduplication of the data.
 
 ``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
 its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
@@ -47,13 +47,23 @@ class AxolotlExtras:
     dataset_exact_deduplication: bool = False
     """Drop tokenized samples identical to an earlier one (same input_ids and labels), after mixing and before the
     evaluation split and packing, as Axolotl does (it hashes each tokenized row)."""
+    save_only_model: bool = False
+    """Checkpoints hold the model only (a from_pretrained directory, or the adapter): no optimizer, scheduler or RNG
+    state, so they cannot be resumed (the Trainer's save_only_model)."""
+    lr_quadratic_warmup: bool = False
+    """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
+    get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
+    early_stopping_patience: int | None = None
+    """Stop after this many evaluations without a lower eval loss, then reload the best checkpoint's model
+    (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
 
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = []
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
-                "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts"):
+                "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
+                "lr_quadratic_warmup"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true
@@ -69,6 +79,7 @@ def extra_refusals(d: dict) -> list[str]:
         elif d.get("lr_scheduler", "cosine") != "cosine":
             out.append(f"cosine_min_lr_ratio with lr_scheduler={d['lr_scheduler']!r}: the floor applies to the "
                        "cosine schedule only (Axolotl ignores it otherwise); set lr_scheduler: cosine or drop it")
+    out += _schedule_and_saves(d)
     targets = d.get("lora_target_parameters")
     if targets is not None:
         if isinstance(targets, str):
@@ -82,6 +93,51 @@ def extra_refusals(d: dict) -> list[str]:
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
+    return out
+
+
+def _schedule_and_saves(d: dict) -> list[str]:
+    """lr_quadratic_warmup applies to Axolotl's cosine only (it ignores it otherwise, and drops a cosine floor for it
+    with a warning): both refused here rather than silently changed. save_only_model checkpoints cannot be resumed,
+    so resume_from_checkpoint: auto would silently start afresh at every restart: refused."""
+    out = []
+    if d.get("lr_quadratic_warmup") is True:
+        if d.get("lr_scheduler", "cosine") != "cosine":
+            out.append(f"lr_quadratic_warmup with lr_scheduler={d['lr_scheduler']!r}: the quadratic warm-up is "
+                       "Axolotl's cosine schedule's (it ignores it otherwise); set lr_scheduler: cosine or drop it")
+        if d.get("cosine_min_lr_ratio") is not None:
+            out.append("lr_quadratic_warmup with cosine_min_lr_ratio: Axolotl then runs the quadratic warm-up and "
+                       "drops the floor (with a warning); keep one of them")
+    out += _early_stopping(d)
+    if d.get("save_only_model") is True and d.get("resume_from_checkpoint") == "auto":
+        out.append("save_only_model with resume_from_checkpoint: auto (or auto_resume_from_checkpoints): model-only "
+                   "checkpoints cannot be resumed, so every restart would start from step 0; drop one of them")
+    return out
+
+
+def _early_stopping(d: dict) -> list[str]:
+    """Axolotl's rules for early_stopping_patience (save_steps and eval_steps set, eval_steps dividing save_steps,
+    which load_best_model_at_end needs), plus what its Trainer would fail on later: an evaluation split to watch,
+    and the best checkpoint's model read back from sharded state, which save_only_model checkpoints lack."""
+    patience = d.get("early_stopping_patience")
+    if patience is None:
+        return []
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        return [f"early_stopping_patience={patience!r} must be an integer >= 1 (evaluations without improvement)"]
+    out, save, every = [], d.get("save_steps"), d.get("eval_steps")
+    if not save or not every:
+        out.append(f"early_stopping_patience with save_steps={save!r}, eval_steps={every!r}: set both (Axolotl's "
+                   "rule: the best checkpoint must be saved at an evaluation), with eval_steps dividing save_steps")
+    elif isinstance(save, (int, float)) and isinstance(every, (int, float)) and save % every != 0:
+        out.append(f"early_stopping_patience with save_steps={save} not a multiple of eval_steps={every}: make "
+                   "eval_steps divide save_steps (Axolotl's rule: every checkpoint has an evaluation)")
+    if not d.get("val_set_size"):
+        out.append("early_stopping_patience without val_set_size: early stopping watches the evaluation loss; set "
+                   "val_set_size (e.g. 0.05)")
+    if d.get("save_only_model") is True:
+        out.append("early_stopping_patience with save_only_model: the best checkpoint's model is read back from its "
+                   "sharded state, which model-only checkpoints do not have (the Trainer refuses this under FSDP "
+                   "too); drop save_only_model")
     return out
 
 

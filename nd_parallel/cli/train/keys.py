@@ -51,9 +51,6 @@ REFUSED = {
     "rl": "nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "early_stopping_patience": "early stopping (and the best-checkpoint reload it needs) is not implemented: drop it "
-                               "and set max_steps or num_epochs (Axolotl also requires save_steps and eval_steps "
-                               "with it)",
     "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "
                  "drop it (max_steps works without it)",
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",

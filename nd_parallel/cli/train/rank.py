@@ -151,6 +151,10 @@ def _run_train(job: TrainJob) -> dict:
                       eval_dataset=eval_ds, data_collator=Collator(tokenizer.pad_token_id, pad_to),
                       processing_class=tokenizer,
                       callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
+    if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
+        from .schedules import use_quadratic_warmup
+
+        use_quadratic_warmup(trainer)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
     # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete
