@@ -179,3 +179,12 @@ def test_early_stopping_refusals_are_axolotls_rules(tmp_path, data, keys, match)
     keys = {"early_stopping_patience": 3, "val_set_size": 0.2, **keys}
     assert re.search(match, _refusal(tmp_path, data, **keys))
 
+
+
+def test_adam_eps_is_accepted_as_axolotl_drops_it(tmp_path, data):
+    """`adam_eps` (btlm-ft.yml, next to lr_quadratic_warmup) is not in Axolotl 0.19's schema, whose pydantic model
+    ignores unknown keys: AdamW keeps the Trainer's epsilon there, and here."""
+    cfg = _config(tmp_path, data, adam_eps=1e-9)
+    assert "adam_eps" in cfg.unused and cfg.adam_epsilon is None
+    assert any(n.startswith("adam_eps: not an Axolotl key") for n in cfg.notes), cfg.notes
+    assert "adam_epsilon" not in trainer_arguments(cfg, "a", train_rows=20, eval_rows=0, dp=1)

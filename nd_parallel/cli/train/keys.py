@@ -109,7 +109,9 @@ REFUSED = {
 # Keys in Axolotl's own examples that Axolotl does not read (not in its schema, which drops unknown keys): accepted,
 # as they change nothing there either, with one line saying what the author probably meant.
 UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays to 0, as here; for a floor write "
-                     "cosine_min_lr_ratio: <eta_min / learning_rate>"}
+                     "cosine_min_lr_ratio: <eta_min / learning_rate>",
+          "adam_eps": "not an Axolotl key: Axolotl drops it and AdamW keeps the Trainer's epsilon 1e-8, as here; for "
+                      "another epsilon write adam_epsilon: <value>"}
 
 
 def is_logging(key: str) -> bool:
