@@ -326,6 +326,30 @@ def load_state(state: TrainState, input_dir=None, **unused) -> dict:
     return marker
 
 
+def load_model_state(state: TrainState, input_dir) -> None:
+    """The model's weights only, from a checkpoint ``save_state`` wrote, under this layout: the Trainer's
+    load_best_model_at_end (the optimizer, schedulers, RNG and data position of the run that goes on are kept)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .asynchronous import wait_pending
+
+    wait_pending()
+    path = Path(os.path.expanduser(str(input_dir)))
+    read_marker(path)  # refuses an incomplete checkpoint (no completion marker)
+    metadata = read_dcp_metadata(path / DCP_DIR)
+    named = named_state(state.the_model(), None, for_load=True)
+    tensors = {k: v for k, v in named.flat.items() if isinstance(v, torch.Tensor)}
+    check_shard_files(path / DCP_DIR, metadata)
+    expected = _all_ranks(state, {k: global_shape(v) for k, v in tensors.items()})
+    check_keys(metadata, expected, MODEL, path, "model")
+    with quiet_single_process():
+        dcp.load(tensors, storage_reader=safe_reader(path / DCP_DIR, metadata), planner=safe_load_planner(),
+                 no_dist=not state.distributed)
+    named.flat = {k: tensors.get(k, v) for k, v in named.flat.items()}
+    named.restore()
+    logger.info("loaded the model of checkpoint %s", path)
+
+
 def _restore_loaders(state: TrainState, marker: dict, rng: dict) -> None:
     loaders, saved = state.dataloaders, marker.get("dataloaders", [])
     if not loaders:

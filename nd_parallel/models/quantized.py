@@ -12,6 +12,9 @@ only an adapter trains. What each layout does with them:
   can cut along dim 0 and all-gather back (its statistics live beside it, in ``quant_state``);
 - 8-bit bases (LLM.int8: int8 rows, one fp32 scale per row, ``SCB``) the same way under FSDP2/HSDP, CP and PP (torch
   backend): replicated under FSDP2 and CP, per stage under PP. Refused under TP, which has no style for them yet;
+- quantized MoE expert tensors (``quantized_experts.py``: Axolotl's ``quantize_moe_experts``) likewise: replicated
+  under FSDP2 / HSDP and CP, per stage under PP; refused under TP and EP, which split the expert tensors (their
+  styles act on float ``[E, ...]`` parameters, not on packed blocks under a parametrization);
 - TP (4-bit): each quantized Linear the plan splits gets our own style (``distributed/tensor_parallel_quantized.py``):
   sharded (this rank's packed bytes and block statistics) where the blocks line up with the split, replicated
   otherwise; quantized layers the plan does not name stay whole and replicated.
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from .quantized_experts import quantized_experts
 
 
 def quantized_params(model: nn.Module) -> list[nn.Parameter]:
@@ -82,6 +87,14 @@ def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:
                          "int8 rows and per-row scales (SCB) have no tensor-parallel style; use tp_size=1 with "
                          "dp_shard_size or pp_size for an 8-bit base, or a 4-bit base (load_in_4bit with adapter: "
                          "qlora), which TP splits")
+    experts = quantized_experts(model)
+    split = {k: v for k, v in (("tp_size", config.tp_size), ("ep_size", getattr(config, "ep_size", 1))) if v > 1}
+    if experts and split:
+        sizes = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ValueError(f"{sizes}: {type(model).__name__} holds {len(experts)} quantized MoE expert tensors (e.g. "
+                         f"{experts[0]!r}, quantize_moe_experts), which tensor and expert parallelism would split, "
+                         "and they have no split for packed bitsandbytes blocks; use dp_shard_size (FSDP2, the "
+                         "experts replicated), cp_size or pp_size, or load the experts unquantized")
     if config.pp_size > 1 and config.pp_backend == "deepspeed":
         raise ValueError(f"pp_backend='deepspeed': {what}; DeepSpeed's pipeline engine casts and partitions the "
                          "weights itself; use pp_backend='torch'")

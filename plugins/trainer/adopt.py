@@ -16,7 +16,10 @@ Trainer habits still have to be turned, on this one Trainer instance:
   ``torch.save`` of the optimizer, i.e. one rank's shards. Its model / optimizer / RNG save and load steps go to
   ``accelerator.save_state`` / ``load_state`` (sharded DCP, loadable under another layout) in
   ``<checkpoint>/nd_parallel``; ``trainer_state.json``, rotation and the data position stay the Trainer's.
-- **save_model.** ``accelerator.save_model``: the full HF model, or the adapter of a PEFT model.
+- **save_model.** ``accelerator.save_model``: the full HF model, or the adapter of a PEFT model. With
+  ``save_only_model`` a checkpoint is that alone (no sharded state): it loads with from_pretrained and is refused
+  as a resume point (``_check_resumable``), before any collective. ``load_best_model_at_end`` reads the best
+  checkpoint's model back from its sharded state (``_load_best_model``).
 - **Evaluation model.** The evaluation loop runs ``_wrap_model(self.model)``, and ``self.model`` stays the model
   given to the Trainer. Where prepare returned another module (the pipeline's ``PipelineModel``: the stages were
   split off the HF model, which keeps stale weights) it would evaluate that stale unsplit model; it gets the
@@ -57,6 +60,10 @@ def check_trainer_args(args, accelerator, config) -> None:
                        "DeepSpeed's pipeline use ParallelismConfig(pp_backend='deepspeed'))"))
     if (getattr(args, "tp_size", 1) or 1) > 1:
         fights.append((f"tp_size={args.tp_size}", "drop it and pass ParallelismConfig(tp_size=...)"))
+    if getattr(args, "save_only_model", False) and getattr(args, "load_best_model_at_end", False):
+        fights.append(("save_only_model=True with load_best_model_at_end=True", "the best checkpoint's model is read "
+                       "back from its sharded state, which model-only checkpoints do not have (the Trainer refuses "
+                       "this pair under FSDP too); drop one of them"))
     if fights:
         what, fix = fights[0]
         raise ValueError(f"TrainingArguments {what} fights the nd_parallel layout ({config.describe()}); {fix}")
@@ -145,7 +152,7 @@ def _turn_habits(trainer, plugin) -> None:
     for name, fn in (("save_model", _save_model), ("_wrap_model", _wrap_model),
                      ("_save_optimizer_and_scheduler", _save_state), ("_load_optimizer_and_scheduler", _load_state),
                      ("_save_rng_state", _nothing), ("_load_rng_state", _nothing),
-                     ("_load_from_checkpoint", _nothing)):
+                     ("_load_from_checkpoint", _check_resumable), ("_load_best_model", _load_best_model)):
         setattr(trainer, name, types.MethodType(fn, trainer))
     # Ranks that share a batch: the Trainer divides its token count by tp * cp * sp when Accelerate's config shows
     # them, and TRL its token metric by tp. nd_parallel's loss counts each batch once already (loss.py) and its
@@ -170,6 +177,26 @@ def _nothing(trainer, *args, **kwargs) -> None:
     """Model weights and RNG states are part of the sharded checkpoint (_save_state / _load_state)."""
 
 
+def _check_resumable(trainer, checkpoint: str, model=None) -> None:
+    """In place of the Trainer's model load (the weights are in the sharded state, read by _load_state): called
+    at the start of train(), before prepare's collectives, so a checkpoint that cannot resume stops the run there."""
+    check_resumable(checkpoint)
+
+
+def check_resumable(checkpoint: str) -> None:
+    """Refuse a Trainer checkpoint folder without nd_parallel's sharded state, naming why (model-only or foreign)."""
+    if os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
+        return
+    model_files = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json")
+    if any(os.path.isfile(os.path.join(checkpoint, name)) for name in model_files):
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r} holds the model only (saved with save_only_model: "
+                         "no optimizer, scheduler or RNG state), and such a checkpoint cannot be resumed (as the "
+                         "Trainer documents); start a new run from its weights instead: from_pretrained on that "
+                         "folder (nd-parallel train: base_model, or lora_model_dir for an adapter)")
+    raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ folder: it was not saved by a Trainer with "
+                            "NDParallelCallback; resume from a checkpoint written under nd_parallel")
+
+
 def _register_scheduler(trainer) -> None:
     # The Trainer steps its scheduler itself, without accelerator.prepare: register it so the checkpoint has it.
     sched = getattr(trainer, "lr_scheduler", None)
@@ -186,10 +213,8 @@ def _save_state(trainer, output_dir: str) -> None:
 def _load_state(trainer, checkpoint: str | None) -> None:
     if checkpoint is None:
         return
+    check_resumable(checkpoint)
     path = os.path.join(checkpoint, STATE_DIR)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{checkpoint} has no {STATE_DIR}/ folder: it was not saved by a Trainer with "
-                                "NDParallelCallback; resume from a checkpoint written under nd_parallel")
     _register_scheduler(trainer)
     accelerator = trainer.accelerator
     # The Trainer puts its dataloader back itself (epochs trained + skip_first_batches); ours must not skip too.
@@ -198,6 +223,16 @@ def _load_state(trainer, checkpoint: str | None) -> None:
         accelerator.load_state(path)
     finally:
         accelerator._dataloaders = loaders
+
+
+def _load_best_model(trainer) -> None:
+    """load_best_model_at_end: the best checkpoint's model weights from its sharded state, under this layout (the
+    Trainer's own reload reads model.safetensors or FSDP1 files, which these checkpoints do not have)."""
+    from nd_parallel.checkpoint import load_model_state
+
+    best = trainer.state.best_model_checkpoint
+    logger.info("loading the best model from %s (score: %s)", best, trainer.state.best_metric)
+    load_model_state(trainer.nd_parallel.train_state(), os.path.join(best, STATE_DIR))
 
 
 def _wrap_model(trainer, model, training: bool = True, dataloader=None):
@@ -212,8 +247,10 @@ def _save_model(trainer, output_dir: str | None = None, _internal_call: bool = F
     model = trainer.model_wrapped
     from nd_parallel.models.peft import peft_wrapper
 
-    if _internal_call and peft_wrapper(model) is None:
+    if _internal_call and peft_wrapper(model) is None and not trainer.args.save_only_model:
         return  # a checkpoint: the full weights are in its sharded state already
+    # save_only_model: the Trainer saves no optimizer/scheduler/RNG state (_save_state is not called), so the
+    # checkpoint is the model alone, written whole (gathered from the shards) as from_pretrained reads it
     trainer.accelerator.save_model(model, output_dir)
     if trainer.accelerator.is_main_process and trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(output_dir)

@@ -21,12 +21,18 @@ def quantization(bits: int):
                               bnb_4bit_compute_dtype=torch.float32)
 
 
-def qlora_model(model_dir, bits: int = 4):
+def qlora_model(model_dir, bits: int = 4, experts: bool = False):
+    """``experts``: the MoE's fused expert tensors quantized too, as they load (quantize_moe_experts)."""
+    import contextlib
+
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization(bits), device_map="cpu",
-                                                 dtype=torch.float32)
+    from nd_parallel.models.quantized_experts import quantizing_experts
+
+    with quantizing_experts(bits) if experts else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization(bits),
+                                                     device_map="cpu", dtype=torch.float32)
     torch.manual_seed(SEED)
     # Training mode, as the Trainer sets it: from_pretrained returns eval mode, in which bitsandbytes (0.50, CPUs with
     # AVX512-BF16) repacks a 4-bit weight and multiplies in bf16 whenever the input needs no gradient (the first

@@ -1,7 +1,7 @@
 """Rank program for the QLoRA parity rows: train every (model, bits, layout) given, write rank 0's results.
 
 Usage (under torchrun): qlora_worker.py OUT_DIR SPEC_JSON
-SPEC_JSON: {"models": {key: dir}, "recipe": {...}, "samples": {...},
+SPEC_JSON: {"models": {key: dir}, "recipe": {...}, "samples": {...}, "quantize_experts": bool (optional),
             "runs": [[model key, bits (4 | 8 | 0), {config kwargs}, result name, {recipe overrides}?], ...]}
 bits 0: the unquantized model, fully fine-tuned (the 8-bit optimizer rows: recipe override optim="adamw_8bit").
 Besides losses, norms and the final adapter state (every parameter for bits 0) it records the bytes this rank holds
@@ -48,7 +48,7 @@ def main(out_dir: str, spec_path: str) -> None:
         run_recipe = Recipe(**{**spec["recipe"], **(overrides[0] if overrides else {})})
         model_dir = spec["models"][model_key]
         result = train_layout(accelerator, plugin, model_dir, samples, run_recipe,
-                              model=qlora_model(model_dir, bits) if bits else None)
+                              model=qlora_model(model_dir, bits, spec.get("quantize_experts", False)) if bits else None)
         quantized = {id(p) for p in quantized_params(result.model)}
         params = list(result.model.parameters())
         memory = {"quantized": sum(_bytes(p) for p in params if id(p) in quantized),

@@ -92,7 +92,8 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
     cfg = load_train_config(real_world(tmp_path, data))
     assert cfg.adapter == "lora" and cfg.lora_target_linear and cfg.sample_packing and cfg.val_set_size == 0.1
     assert cfg.parallel.dp_shard_size == 2 and cfg.parallel.activation_checkpointing == "full"
-    assert {"wandb_project", "wandb_entity", "group_by_length", "early_stopping_patience"} <= set(cfg.unused)
+    assert {"wandb_project", "wandb_entity", "group_by_length"} <= set(cfg.unused)
+    assert cfg.early_stopping_patience is None  # left empty: no early stopping
     assert cfg.attn_implementation is None  # flash_attention: false / xformers_attention: (empty) choose nothing
     from nd_parallel.cli.train.job import trainer_arguments
 

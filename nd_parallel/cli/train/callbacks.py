@@ -140,5 +140,9 @@ class LossWatchdog(TrainerCallback):
 
 
 def watchdog(t) -> list:
-    """[LossWatchdog] when the YAML sets loss_watchdog_threshold, else []."""
-    return [LossWatchdog(t.loss_watchdog_threshold, t.loss_watchdog_patience)] if t.loss_watchdog_threshold else []
+    """[LossWatchdog] when the YAML sets loss_watchdog_threshold, [EarlyStoppingCallback] with
+    early_stopping_patience (as Axolotl adds it; the Trainer reloads the best checkpoint at the end)."""
+    from transformers import EarlyStoppingCallback
+
+    out = [LossWatchdog(t.loss_watchdog_threshold, t.loss_watchdog_patience)] if t.loss_watchdog_threshold else []
+    return out + ([EarlyStoppingCallback(t.early_stopping_patience)] if t.early_stopping_patience else [])

@@ -1,6 +1,6 @@
 """Axolotl keys with a small, local meaning that `nd-parallel train` acts on: the batch-size arithmetic, the
-cosine floor, the embedding padding, peft's extra LoRA options, the hub revision, the MoE experts kernel and exact
-deduplication of the data.
+cosine floor and quadratic warm-up (schedules.py), model-only checkpoints, the embedding padding, peft's extra LoRA
+options, the hub revision, the MoE experts kernel, quantized MoE expert tensors and exact deduplication of the data.
 
 ``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
 its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
@@ -39,18 +39,31 @@ class AxolotlExtras:
     """peft's fan_in_fan_out: the adapted layers store (in, out) weights (GPT-2's Conv1D)."""
     lora_target_parameters: list[str] | None = None
     """Parameter tensors to adapt, by name suffix (peft's target_parameters: LoRA on MoE expert tensors)."""
+    quantize_moe_experts: bool = False
+    """Quantize the MoE's fused 3-D expert tensors as they load, to load_in_4bit's / load_in_8bit's format
+    (models/quantized_experts.py: Axolotl's meaning, on any device)."""
     experts_implementation: str | None = None
     """MoE experts forward: eager, grouped_mm or batched_mm (transformers'; CUDA kernels fall back to eager)."""
     dataset_exact_deduplication: bool = False
     """Drop tokenized samples identical to an earlier one (same input_ids and labels), after mixing and before the
     evaluation split and packing, as Axolotl does (it hashes each tokenized row)."""
+    save_only_model: bool = False
+    """Checkpoints hold the model only (a from_pretrained directory, or the adapter): no optimizer, scheduler or RNG
+    state, so they cannot be resumed (the Trainer's save_only_model)."""
+    lr_quadratic_warmup: bool = False
+    """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
+    get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
+    early_stopping_patience: int | None = None
+    """Stop after this many evaluations without a lower eval loss, then reload the best checkpoint's model
+    (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
 
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = []
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
-                "bfloat16", "dataset_exact_deduplication"):
+                "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
+                "lr_quadratic_warmup"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true
@@ -66,6 +79,7 @@ def extra_refusals(d: dict) -> list[str]:
         elif d.get("lr_scheduler", "cosine") != "cosine":
             out.append(f"cosine_min_lr_ratio with lr_scheduler={d['lr_scheduler']!r}: the floor applies to the "
                        "cosine schedule only (Axolotl ignores it otherwise); set lr_scheduler: cosine or drop it")
+    out += _schedule_and_saves(d)
     targets = d.get("lora_target_parameters")
     if targets is not None:
         if isinstance(targets, str):
@@ -75,9 +89,81 @@ def extra_refusals(d: dict) -> list[str]:
                        "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
         elif d.get("adapter") not in ("lora", "qlora"):
             out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
+    out += _moe_quantization(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
+    return out
+
+
+def _schedule_and_saves(d: dict) -> list[str]:
+    """lr_quadratic_warmup applies to Axolotl's cosine only (it ignores it otherwise, and drops a cosine floor for it
+    with a warning): both refused here rather than silently changed. save_only_model checkpoints cannot be resumed,
+    so resume_from_checkpoint: auto would silently start afresh at every restart: refused."""
+    out = []
+    if d.get("lr_quadratic_warmup") is True:
+        if d.get("lr_scheduler", "cosine") != "cosine":
+            out.append(f"lr_quadratic_warmup with lr_scheduler={d['lr_scheduler']!r}: the quadratic warm-up is "
+                       "Axolotl's cosine schedule's (it ignores it otherwise); set lr_scheduler: cosine or drop it")
+        if d.get("cosine_min_lr_ratio") is not None:
+            out.append("lr_quadratic_warmup with cosine_min_lr_ratio: Axolotl then runs the quadratic warm-up and "
+                       "drops the floor (with a warning); keep one of them")
+    out += _early_stopping(d)
+    if d.get("save_only_model") is True and d.get("resume_from_checkpoint") == "auto":
+        out.append("save_only_model with resume_from_checkpoint: auto (or auto_resume_from_checkpoints): model-only "
+                   "checkpoints cannot be resumed, so every restart would start from step 0; drop one of them")
+    return out
+
+
+def _early_stopping(d: dict) -> list[str]:
+    """Axolotl's rules for early_stopping_patience (save_steps and eval_steps set, eval_steps dividing save_steps,
+    which load_best_model_at_end needs), plus what its Trainer would fail on later: an evaluation split to watch,
+    and the best checkpoint's model read back from sharded state, which save_only_model checkpoints lack."""
+    patience = d.get("early_stopping_patience")
+    if patience is None:
+        return []
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+        return [f"early_stopping_patience={patience!r} must be an integer >= 1 (evaluations without improvement)"]
+    out, save, every = [], d.get("save_steps"), d.get("eval_steps")
+    if not save or not every:
+        out.append(f"early_stopping_patience with save_steps={save!r}, eval_steps={every!r}: set both (Axolotl's "
+                   "rule: the best checkpoint must be saved at an evaluation), with eval_steps dividing save_steps")
+    elif isinstance(save, (int, float)) and isinstance(every, (int, float)) and save % every != 0:
+        out.append(f"early_stopping_patience with save_steps={save} not a multiple of eval_steps={every}: make "
+                   "eval_steps divide save_steps (Axolotl's rule: every checkpoint has an evaluation)")
+    if not d.get("val_set_size"):
+        out.append("early_stopping_patience without val_set_size: early stopping watches the evaluation loss; set "
+                   "val_set_size (e.g. 0.05)")
+    if d.get("save_only_model") is True:
+        out.append("early_stopping_patience with save_only_model: the best checkpoint's model is read back from its "
+                   "sharded state, which model-only checkpoints do not have (the Trainer refuses this under FSDP "
+                   "too); drop save_only_model")
+    return out
+
+
+def _moe_quantization(d: dict) -> list[str]:
+    """quantize_moe_experts: Axolotl's rules (an adapter, a 4-bit or 8-bit base, not lora_target_linear), and
+    LoRA on the quantized expert tensors themselves refused: peft's target_parameters matches a parametrized
+    tensor by its full name only (Axolotl patches the matching), and even then peft 0.21's ParamWrapper does not
+    compose with the dequantizing parametrization (measured: the second forward fails)."""
+    if d.get("quantize_moe_experts") is not True:
+        return []
+    out = []
+    if d.get("adapter") not in ("lora", "qlora"):
+        out.append("quantize_moe_experts=True without an adapter: the quantized experts are frozen; set adapter: "
+                   "qlora with load_in_4bit (or adapter: lora with load_in_8bit)")
+    if not (d.get("load_in_4bit") or d.get("load_in_8bit")):
+        out.append("quantize_moe_experts=True without load_in_4bit or load_in_8bit: the experts take the base's "
+                   "format; set load_in_4bit: true with adapter: qlora (or load_in_8bit with adapter: lora)")
+    if d.get("lora_target_linear"):
+        out.append("quantize_moe_experts=True with lora_target_linear (Axolotl's rule too): name the layers with "
+                   "lora_target_modules")
+    if d.get("lora_target_parameters"):
+        out.append(f"quantize_moe_experts=True with lora_target_parameters={d['lora_target_parameters']!r}: LoRA on "
+                   "quantized expert tensors is not implemented (peft 0.21's ParamWrapper on an already "
+                   "parametrized tensor leaves its LoRA proxy registered after a forward, and the next forward "
+                   "fails); drop lora_target_parameters (the adapter on lora_target_modules trains), or drop "
+                   "quantize_moe_experts to adapt float experts")
     return out
 
 
@@ -164,9 +250,16 @@ def check_installed(optimizer: str, path) -> None:
 
 def check_layout(t: AxolotlExtras, layout, path) -> None:
     """LoRA on parameter tensors is checked under data parallelism (FSDP2, DDP) and CP only: under TP, EP and PP
-    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet."""
+    the experts are split or placed by nd_parallel, and peft's parametrization of them is not checked there yet.
+    Quantized expert tensors (quantize_moe_experts) have no TP / EP split; PP holds them per stage."""
     split = {name: getattr(layout, name, 1) for name in ("tp_size", "ep_size", "pp_size")}
     split = {name: size for name, size in split.items() if size > 1}
+    if t.quantize_moe_experts and (split.get("tp_size") or split.get("ep_size")):
+        sizes = ", ".join(f"{k}={v}" for k, v in split.items() if k != "pp_size")
+        raise ConfigError(f"{path}: quantize_moe_experts with {sizes}: tensor and expert parallelism split the "
+                          "expert tensors, which have no split for packed bitsandbytes blocks; use dp_shard_size "
+                          "(FSDP2: the quantized experts replicated), context_parallel_size or "
+                          "pipeline_parallel_size")
     if t.lora_target_parameters and split:
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "

@@ -170,6 +170,10 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         args["eval_steps"] = eval_every
     if save_strategy == "steps":
         args["save_steps"] = save_every or 500
+    if cfg.early_stopping_patience:  # Axolotl: load_best_model_at_end on eval_loss (the Trainer's default metric)
+        args["load_best_model_at_end"] = True
+    if cfg.save_only_model:  # checkpoints: the model only (plugins/trainer/adopt.py writes it whole)
+        args["save_only_model"] = True
     if cfg.tf32 is True and torch.cuda.is_available():  # TF32 exists on CUDA only; on CPU ranks the key is a no-op
         args["tf32"] = True
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
@@ -189,6 +193,13 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
     if resume and resume != "auto" and not os.path.isdir(resume):
         raise ConfigError(f"{path}: resume_from_checkpoint={resume!r} is not a directory; point it at a "
                           f"checkpoint-N folder under {cfg.output_dir}, or write 'auto' for the latest complete one")
+    if resume and resume != "auto":  # a model-only (save_only_model) or foreign folder: refused before any rank starts
+        from nd_parallel.plugins.trainer.adopt import check_resumable
+
+        try:
+            check_resumable(resume)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"{path}: {err}") from None
 
 
 def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, quiet: bool = True):

@@ -51,9 +51,6 @@ REFUSED = {
     "rl": "nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "early_stopping_patience": "early stopping (and the best-checkpoint reload it needs) is not implemented: drop it "
-                               "and set max_steps or num_epochs (Axolotl also requires save_steps and eval_steps "
-                               "with it)",
     "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "
                  "drop it (max_steps works without it)",
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",
@@ -83,9 +80,6 @@ REFUSED = {
                                     "mistral_v7_tekken or tokenizer_default)",
     "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
            "(adapter: lora, or full fine-tuning) and quantize afterwards",
-    "quantize_moe_experts": "4-bit MoE expert tensors are not supported (QLoRA here quantizes nn.Linear layers; "
-                            "a model's fused 3D expert tensors stay unquantized): drop it; adapter: qlora with "
-                            "load_in_4bit quantizes the linear layers",
     "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
                                  "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
     "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "
@@ -115,7 +109,9 @@ REFUSED = {
 # Keys in Axolotl's own examples that Axolotl does not read (not in its schema, which drops unknown keys): accepted,
 # as they change nothing there either, with one line saying what the author probably meant.
 UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays to 0, as here; for a floor write "
-                     "cosine_min_lr_ratio: <eta_min / learning_rate>"}
+                     "cosine_min_lr_ratio: <eta_min / learning_rate>",
+          "adam_eps": "not an Axolotl key: Axolotl drops it and AdamW keeps the Trainer's epsilon 1e-8, as here; for "
+                      "another epsilon write adam_epsilon: <value>"}
 
 
 def is_logging(key: str) -> bool:

@@ -45,7 +45,11 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
-    model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
+    with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
+        model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
+    if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
+        print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
+              f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
     rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
     if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
         # Axolotl passes mean_resizing (default False: transformers' own default, True, starts the new rows elsewhere)
@@ -109,6 +113,20 @@ def _quantization(t: TrainConfig) -> dict:
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
 
 
+def _experts_quantized(t: TrainConfig):
+    """Axolotl's quantize_moe_experts: the experts in load_in_4bit's format (bnb_config_kwargs' quant type and
+    double quantization) or load_in_8bit's (models/quantized_experts.py)."""
+    import contextlib
+
+    if not t.quantize_moe_experts:
+        return contextlib.nullcontext()
+    from nd_parallel.models.quantized_experts import quantizing_experts
+
+    kwargs = t.bnb_config_kwargs or {}
+    return quantizing_experts(8 if t.load_in_8bit else 4, quant_type=kwargs.get("bnb_4bit_quant_type", "nf4"),
+                              double_quant=kwargs.get("bnb_4bit_use_double_quant", True))
+
+
 def _run_train(job: TrainJob) -> dict:
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -133,6 +151,10 @@ def _run_train(job: TrainJob) -> dict:
                       eval_dataset=eval_ds, data_collator=Collator(tokenizer.pad_token_id, pad_to),
                       processing_class=tokenizer,
                       callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
+    if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
+        from .schedules import use_quadratic_warmup
+
+        use_quadratic_warmup(trainer)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
     # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete

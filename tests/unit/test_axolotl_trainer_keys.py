@@ -1,0 +1,190 @@
+"""Axolotl keys that are the Trainer's: `lr_quadratic_warmup` (Axolotl's cosine with quadratic warm-up, the same
+numbers as its formula and, when its venv is there, as its own scheduler), `save_only_model` (model-only
+checkpoints, refused as resume points before any rank starts) and `early_stopping_patience` (the
+EarlyStoppingCallback with load_best_model_at_end, Axolotl's rules), read by `nd-parallel train` in one process.
+The checkpoints themselves under FSDP2: tests/distributed/test_train_checkpoint_keys.py."""
+
+import json
+import math
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from nd_parallel.cli.train.config import load_train_config
+from nd_parallel.cli.train.job import check_layout_rules, trainer_arguments
+from nd_parallel.cli.train.schedules import cosine_with_quadratic_warmup, use_quadratic_warmup
+from nd_parallel.config import ConfigError
+from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+AXOLOTL_PYTHON = Path(os.environ.get("ND_PARALLEL_AXOLOTL_VENV", ROOT / ".venv-axolotl")) / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_model_and_data(tmp_path_factory.mktemp("trainer_keys"), n=20)
+
+
+def _config(tmp_path, data, **keys):
+    keys = {"base_model": data["model"], "datasets": [{"path": data["alpaca"], "type": "alpaca"}],
+            "sequence_len": 256, "output_dir": str(tmp_path / "out"), **keys}
+    return load_train_config(write_yaml(tmp_path / "c.yml", keys), environ={})
+
+
+def _refusal(tmp_path, data, **keys) -> str:
+    with pytest.raises(ConfigError) as err:
+        _config(tmp_path, data, **keys)
+    return str(err.value)
+
+
+def _lrs(scheduler, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    return out
+
+
+def _optimizer(lr: float = 0.1):
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def test_quadratic_warmup_is_axolotls_formula():
+    """Axolotl 0.19's get_cosine_schedule_with_quadratic_warmup: (s / w)^2 during warm-up, then the half cosine."""
+    warmup, total, lr = 3, 10, 0.1
+    want = [lr * (s / warmup) ** 2 if s < warmup else
+            lr * max(0.0, 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))) for s in range(total)]
+    got = _lrs(cosine_with_quadratic_warmup(_optimizer(lr), warmup, total), total)
+    assert got == pytest.approx(want, rel=0, abs=1e-15)
+    assert got[:4] == pytest.approx([0.0, lr / 9, 4 * lr / 9, lr], abs=1e-15)  # not linear (lr / 3, 2 lr / 3)
+
+
+_AXOLOTL_LRS = """
+import json, sys, torch
+from axolotl.utils.schedulers import get_cosine_schedule_with_quadratic_warmup
+warmup, total = int(sys.argv[1]), int(sys.argv[2])
+opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+sched = get_cosine_schedule_with_quadratic_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
+out = []
+for _ in range(total):
+    out.append(sched.get_last_lr()[0]); opt.step(); sched.step()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("warmup,total", [(3, 10), (0, 5), (4, 4)])
+def test_quadratic_warmup_equals_axolotls_scheduler(warmup, total):
+    """Axolotl's own scheduler, run in its venv: the same learning rates, bit for bit."""
+    if not AXOLOTL_PYTHON.is_file():
+        why = f"no Axolotl interpreter at {AXOLOTL_PYTHON}: build .venv-axolotl (.ci/axolotl-venv)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"CI: {why}", pytrace=False)
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"AXOLOTL_DO_NOT_TRACK": "1",
+                                                                          "DO_NOT_TRACK": "1"}
+    proc = subprocess.run([str(AXOLOTL_PYTHON), "-c", _AXOLOTL_LRS, str(warmup), str(total)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert _lrs(cosine_with_quadratic_warmup(_optimizer(), warmup, total), total) == theirs
+
+
+def test_the_trainer_builds_the_quadratic_schedule(tmp_path, data):
+    """The rank's Trainer (one process, no layout): create_scheduler gives Axolotl's schedule with the Trainer's
+    warm-up count (warmup_ratio 0.3 of 10 steps = 3), and the YAML key reaches it."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    cfg = _config(tmp_path, data, lr_quadratic_warmup=True, warmup_ratio=0.3, max_steps=10, learning_rate=0.1)
+    assert cfg.lr_quadratic_warmup is True
+    args = trainer_arguments(cfg, "q", train_rows=20, eval_rows=0, dp=1)
+    model = AutoModelForCausalLM.from_pretrained(data["model"], dtype=torch.float32)
+    trainer = Trainer(model=model, args=TrainingArguments(**args))
+    use_quadratic_warmup(trainer)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+    assert lrs and all(lr == 0.0 for lr in lrs)
+    want = _lrs(cosine_with_quadratic_warmup(_optimizer(0.1), 3, 10), 10)
+    assert _lrs(trainer.lr_scheduler, 10) == pytest.approx(want, rel=1e-12)
+
+
+def test_quadratic_warmup_refusals(tmp_path, data):
+    message = _refusal(tmp_path, data, lr_quadratic_warmup=True, lr_scheduler="linear")
+    assert "lr_quadratic_warmup with lr_scheduler='linear'" in message and "set lr_scheduler: cosine" in message
+    message = _refusal(tmp_path, data, lr_quadratic_warmup=True, cosine_min_lr_ratio=0.1)
+    assert "drops the floor" in message and "keep one" in message
+    assert "lr_quadratic_warmup='yes'; use true or false" in _refusal(tmp_path, data, lr_quadratic_warmup="yes")
+
+
+def test_save_only_model_reaches_the_trainer_and_its_checkpoints_are_refused_as_resume_points(tmp_path, data):
+    cfg = _config(tmp_path, data, save_only_model=True, save_steps=2, max_steps=4)
+    args = trainer_arguments(cfg, "s", train_rows=20, eval_rows=0, dp=1)
+    assert args["save_only_model"] is True and args["save_strategy"] == "steps" and args["save_steps"] == 2
+    assert "save_only_model" not in trainer_arguments(_config(tmp_path, data), "s", 20, 0, 1)
+    ckpt = tmp_path / "out" / "checkpoint-2"  # what a save_only_model checkpoint holds: the model, no state
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "model.safetensors").write_bytes(b"")
+    resumed = _config(tmp_path, data, resume_from_checkpoint=str(ckpt))
+    with pytest.raises(ConfigError, match=r"holds the model only \(saved with save_only_model.*cannot be resumed.*"
+                                          r"base_model, or lora_model_dir"):
+        check_layout_rules(resumed, "c.yml")
+    foreign = tmp_path / "empty"
+    foreign.mkdir()
+    with pytest.raises(ConfigError, match="has no nd_parallel/ folder"):
+        check_layout_rules(_config(tmp_path, data, resume_from_checkpoint=str(foreign)), "c.yml")
+    message = _refusal(tmp_path, data, save_only_model=True, auto_resume_from_checkpoints=True)
+    assert "save_only_model with resume_from_checkpoint: auto" in message and "cannot be resumed" in message
+
+
+def test_the_trainer_plugin_refuses_save_only_model_with_the_best_model_reload():
+    from transformers import TrainingArguments
+
+    from nd_parallel.config import ParallelismConfig
+    from nd_parallel.plugins.trainer.adopt import check_trainer_args
+
+    args = TrainingArguments(output_dir="unused", save_only_model=True, load_best_model_at_end=True,
+                             eval_strategy="steps", save_strategy="steps", use_cpu=True)
+    with pytest.raises(ValueError, match="save_only_model=True with load_best_model_at_end=True.*drop one"):
+        check_trainer_args(args, None, ParallelismConfig())
+
+
+def test_early_stopping_adds_the_callback_and_the_best_model_reload(tmp_path, data):
+    from transformers import EarlyStoppingCallback
+
+    from nd_parallel.cli.train.callbacks import watchdog
+
+    cfg = _config(tmp_path, data, early_stopping_patience=2, save_steps=4, eval_steps=2, val_set_size=0.2)
+    args = trainer_arguments(cfg, "e", train_rows=16, eval_rows=4, dp=1)
+    assert args["load_best_model_at_end"] is True
+    assert (args["eval_strategy"], args["eval_steps"], args["save_strategy"], args["save_steps"]) == (
+        "steps", 2, "steps", 4)
+    [callback] = watchdog(cfg)
+    assert isinstance(callback, EarlyStoppingCallback) and callback.early_stopping_patience == 2
+    assert watchdog(_config(tmp_path, data)) == []
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"eval_steps": 2}, r"save_steps=None, eval_steps=2: set both"),
+    ({"save_steps": 3, "eval_steps": 2}, "save_steps=3 not a multiple of eval_steps=2"),
+    ({"save_steps": 2, "eval_steps": 2, "val_set_size": 0}, "without val_set_size"),
+    ({"save_steps": 2, "eval_steps": 2, "save_only_model": True}, "early_stopping_patience with save_only_model"),
+    ({"early_stopping_patience": 0, "save_steps": 2, "eval_steps": 2}, "must be an integer >= 1"),
+])
+def test_early_stopping_refusals_are_axolotls_rules(tmp_path, data, keys, match):
+    keys = {"early_stopping_patience": 3, "val_set_size": 0.2, **keys}
+    assert re.search(match, _refusal(tmp_path, data, **keys))
+
+
+
+def test_adam_eps_is_accepted_as_axolotl_drops_it(tmp_path, data):
+    """`adam_eps` (btlm-ft.yml, next to lr_quadratic_warmup) is not in Axolotl 0.19's schema, whose pydantic model
+    ignores unknown keys: AdamW keeps the Trainer's epsilon there, and here."""
+    cfg = _config(tmp_path, data, adam_eps=1e-9)
+    assert "adam_eps" in cfg.unused and cfg.adam_epsilon is None
+    assert any(n.startswith("adam_eps: not an Axolotl key") for n in cfg.notes), cfg.notes
+    assert "adam_epsilon" not in trainer_arguments(cfg, "a", train_rows=20, eval_rows=0, dp=1)
