@@ -184,7 +184,7 @@ def _probe_chunks(head, chunk, flat, targets, grad_hidden, params) -> tuple[torc
                 if g is not None:
                     grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
             total += local_value(loss.detach())
-            loss = grads = g = None  # the loop variable too: it kept the chunk's head gradient alive into the next
+            del loss, grads  # the loop variable g still holds this chunk's head gradient into the next (see CHANGELOG)
     if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
         grad_params = _unlabelled_gradients(head, flat, params)
     return total, grad_params
