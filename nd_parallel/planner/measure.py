@@ -77,3 +77,19 @@ def state_tensors(model, opt) -> list:
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return tensors
+
+
+def saved_tensor_bytes(run, exclude=()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` runs, storages of the tensors in
+    ``exclude`` (parameters, a given input) left out: what the planner's per-layer activation terms count."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())

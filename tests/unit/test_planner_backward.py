@@ -30,17 +30,9 @@ def _saved_bytes(family: str, layers: int, lora: bool) -> int:
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
+    from nd_parallel.planner.measure import saved_tensor_bytes
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=torch.randint(1, 256, (2, 128)))
-    return sum(saved.values())
+    return saved_tensor_bytes(lambda: model(input_ids=torch.randint(1, 256, (2, 128))), list(model.parameters()))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

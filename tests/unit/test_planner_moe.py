@@ -105,6 +105,7 @@ def test_moe_layer_terms_match_what_a_measured_forward_saves(family, experts):
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.planner.layout import Training
+    from nd_parallel.planner.measure import saved_tensor_bytes
     from nd_parallel.planner.memory import routed_bytes_per_token, router_bytes_per_token
 
     shape = {"hidden_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -115,23 +116,14 @@ def test_moe_layer_terms_match_what_a_measured_forward_saves(family, experts):
     model = AutoModelForCausalLM.from_config(tiny_config(family, **shape))
     block = model.model.layers[0].mlp
     x = torch.randn(2, 256, 128, requires_grad=True)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
+    saved = saved_tensor_bytes(lambda: block(x), [*model.parameters(), x])
     spec, train = spec_of(family, **shape), Training(seq_len=256, global_batch=2, dtype="fp32")
     per_token = (routed_bytes_per_token(spec, train) + router_bytes_per_token(spec, train)
                  + train.compute_bytes * 4 * spec.expert_ffn)  # gate_up out (2 x width), act(gate), act x up
     assert spec.expert_ffn == 2 * 256 and per_token == 10344
     # Left out by the planner: the experts' offsets (num_experts int32 per layer, not per token) and Mixtral's
     # renormalised top-k weights (k + 1 fp32 per token): at most 16 bytes per token of 10344.
-    assert abs(sum(saved.values()) / 512 - per_token) <= 16, (sum(saved.values()) / 512, per_token)
+    assert abs(saved / 512 - per_token) <= 16, (saved / 512, per_token)
 
 
 def test_ops_are_counted_for_a_model_without_sdpa(recwarn):
