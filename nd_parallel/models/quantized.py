@@ -19,6 +19,9 @@ only an adapter trains. What each layout does with them:
   sharded (this rank's packed bytes and block statistics) where the blocks line up with the split, replicated
   otherwise; quantized layers the plan does not name stay whole and replicated.
 
+Checkpoints (``save_state`` / ``load_state``) hold the quantized bytes and their statistics under HF names and load
+them back as saved (``expose_8bit_scales``, ``accept_4bit_state``; the experts' in ``quantized_experts.py``).
+
 Identified from the parameters, not from class names: a frozen parameter that is not floating point is a
 quantized weight (nothing else can be: autograd only trains floating tensors).
 """

@@ -71,13 +71,15 @@ def _train_with_checkpoint(accelerator, model, samples, recipe, extras) -> RunRe
 
 def _base_digest(model) -> str:
     """sha256 of this rank's quantized base: every non-float tensor of its state dict (packed 4-bit bytes, int8 rows,
-    a 4-bit weight's uint8 absmax) and every statistic of the 4-bit Linears' quantization state."""
+    a 4-bit weight's uint8 absmax, expert int8 rows), the statistics beside them (a 4-bit Linear's ``weight.*``, a
+    quantized expert's ``parametrizations.*``) and each 4-bit Linear's offset."""
     digest = hashlib.sha256()
     for name, value in sorted(model.state_dict().items()):
         value = value.to_local() if hasattr(value, "to_local") else value
-        if isinstance(value, torch.Tensor) and (not value.is_floating_point() or ".weight." in name):
+        statistics = ".weight." in name or ".parametrizations." in name  # a 4-bit Linear's or a quantized expert's
+        if isinstance(value, torch.Tensor) and (not value.is_floating_point() or statistics):
             digest.update(name.encode())
-            digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     for name, module in sorted(model.named_modules()):
         qs = getattr(module._parameters.get("weight"), "quant_state", None)
         if qs is not None and qs.nested:
