@@ -5,7 +5,8 @@ SPEC_JSON: {"models": {key: dir}, "recipe": {...}, "samples": {...}, "quantize_e
             "runs": [[model key, bits (4 | 8 | 0), {config kwargs}, result name, {recipe overrides}?, {extras}?], ...]}
 bits 0: the unquantized model, fully fine-tuned (the 8-bit optimizer rows: recipe override optim="adamw_8bit").
 extras: "save_at": k and "ckpt": dir -> accelerator.save_state(dir) after step k (training goes on); "resume": dir ->
-accelerator.load_state(dir) right after prepare, then the remaining steps (the checkpoint rows).
+accelerator.load_state(dir) right after prepare, then the remaining steps (the checkpoint rows; their optimizer also
+has an empty parameter group, as the Trainer's no-decay group is under LoRA).
 Besides losses, norms and the final adapter state (every parameter for bits 0) it records the bytes this rank holds
 in quantized base weights, in other parameters and in optimizer state; for a bitsandbytes optimizer stepping local
 shards, also rank 0's 8-bit state of each shard (codes and block absmax) and whether its ends fall on blocks; and a
@@ -48,7 +49,10 @@ def _train_with_checkpoint(accelerator, model, samples, recipe, extras) -> RunRe
     """train_layout's loop, saving after step ``save_at`` or resuming from ``resume`` (its remaining steps)."""
     from torch.utils.data import DataLoader
 
-    opt, sched = optimizer_and_schedule(model, recipe)
+    opt, _ = optimizer_and_schedule(model, recipe)
+    # The Trainer's no-decay group is empty when only LoRA matrices train: a group the checkpoint cannot name.
+    opt.add_param_group({"params": [], "weight_decay": 0.0})
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * recipe.steps))  # as the recipe's
     loader = DataLoader(samples, batch_size=recipe.per_rank_batch, collate_fn=_collate)
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     start = accelerator.load_state(extras["resume"])["optimizer_step"] if "resume" in extras else 0
