@@ -114,6 +114,14 @@ def _load_4bit_state(module: nn.Module, state_dict, prefix, local_metadata, stri
     saved = {k[len(head):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(head)}
     if not saved:
         return  # a state dict without the quantization state (e.g. one the caller filtered): bytes only, as before
+    split = module.__dict__.get("_nd_parallel_tp_part")
+    if split is not None:  # plain tensors, which a checkpoint keeps once: every rank would get one rank's part
+        errors.append(f"{head[:-1]}: this 4-bit Linear is split by tensor parallelism (dim {split[0]}, part "
+                      f"{split[1]} of {split[2]}); its packed bytes and statistics are this rank's part, which a "
+                      "checkpoint does not keep per rank, so loading it would give every rank one rank's part. "
+                      "Resume a QLoRA run with tp_size=1 (dp_shard_size, pp_size or cp_size hold the base whole), "
+                      "or keep the quantized layers whole (ParallelismConfig(tp_plan={<layer>: None, ...}))")
+        return
     packed = [k for k in saved if k.startswith("quant_state.bitsandbytes__")]
     stats = unpack_tensor_to_dict(saved.pop(packed[0])) if len(packed) == 1 else {}
     live, found = qs.as_dict(), []

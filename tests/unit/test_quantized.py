@@ -109,6 +109,11 @@ def test_a_4bit_base_loads_back_its_own_quantization_state_strictly(tiny_models)
     with pytest.raises(RuntimeError, match=r"weight.blocksize: 128 in the checkpoint, 64 in this 4-bit base; load "
                                            r"the base with the BitsAndBytesConfig"):
         model.load_state_dict(saved)
+    saved[blob] = pack_dict_to_tensor(stats)
+    model.get_submodule(blob[:-len(".weight.quant_state.bitsandbytes__nf4")])._nd_parallel_tp_part = (0, 1, 2)
+    with pytest.raises(RuntimeError, match=r"split by tensor parallelism .*part 1 of 2.* Resume a QLoRA run with "
+                                           r"tp_size=1"):  # a TP-split layer's state is one rank's: refused
+        model.load_state_dict(saved)
 
 
 def _bnb_run(make_params, steps=3):
