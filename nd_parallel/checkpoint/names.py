@@ -158,8 +158,21 @@ class NamedState:
                     value = own
                 sd[target] = value
         set_model_state_dict(self.view, model_sd)
-        if self.optimizer is not None:
+        if self.optimizer is None:
+            return
+        # A parameter group without parameters (the Trainer's no-decay group when only LoRA matrices train) has no
+        # name to key its hyper-parameters by in the flattened form, and torch's unflattening indexes its first
+        # parameter. It steps nothing, so it is set aside during the load and put back at its place.
+        optimizers = self.optimizer if isinstance(self.optimizer, (tuple, list)) else (self.optimizer,)
+        empty = [[(i, g) for i, g in enumerate(o.param_groups) if not g["params"]] for o in optimizers]
+        for o in optimizers:
+            o.param_groups = [g for g in o.param_groups if g["params"]]
+        try:
             set_optimizer_state_dict(self.view, self.optimizer, optim_sd, options=_optim_options())
+        finally:
+            for o, groups in zip(optimizers, empty):
+                for i, group in groups:
+                    o.param_groups.insert(i, group)
 
 
 def _unwrap_optimizer(optimizer):

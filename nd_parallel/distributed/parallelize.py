@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
-from nd_parallel.models.quantized import check_quantized, expose_8bit_scales
+from nd_parallel.models.quantized import accept_4bit_state, check_quantized, expose_8bit_scales
 
 from . import (
     activation_checkpoint,
@@ -170,6 +170,7 @@ def parallelize(model: nn.Module, config: ParallelismConfig, device: torch.devic
     if lazy is None:
         model.to(device)
     expose_8bit_scales(model)  # an 8-bit base's scales named for torch's distributed state dict (models/quantized.py)
+    accept_4bit_state(model)  # a 4-bit base loads back the quantization state it saves (load_state, strict)
     if wrapper is not None:  # 3
         peft.broadcast_trainable(lazy.initial_tensors() if lazy is not None else
                                  [p for p in model.parameters() if p.requires_grad], device)

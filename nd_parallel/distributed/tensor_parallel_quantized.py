@@ -104,6 +104,7 @@ def _shard_weight(module: nn.Module, dim: int, rank: int, tp: int) -> None:
     module.weight = Params4bit(packed.contiguous().clone().view(-1, 1), requires_grad=False, quant_state=local_qs,
                                blocksize=qs.blocksize, compress_statistics=False, quant_type=qs.quant_type,
                                quant_storage=weight.quant_storage, module=module, bnb_quantized=True)
+    module._nd_parallel_tp_part = (dim, rank, tp)  # its state dict is this rank's part (models/quantized.py refuses it)
 
 
 def _local_weight(module: nn.Module, dim: int, rank: int, tp: int, sharded: bool) -> torch.Tensor:

@@ -19,6 +19,9 @@ only an adapter trains. What each layout does with them:
   sharded (this rank's packed bytes and block statistics) where the blocks line up with the split, replicated
   otherwise; quantized layers the plan does not name stay whole and replicated.
 
+Checkpoints (``save_state`` / ``load_state``) hold the quantized bytes and their statistics under HF names and load
+them back as saved (``expose_8bit_scales``, ``accept_4bit_state``; the experts' in ``quantized_experts.py``).
+
 Identified from the parameters, not from class names: a frozen parameter that is not floating point is a
 quantized weight (nothing else can be: autograd only trains floating tensors).
 """
@@ -69,6 +72,82 @@ def expose_8bit_scales(model: nn.Module) -> int:
 def _scales_back_on_weight(module: nn.Module, *args, **kwargs) -> None:
     if getattr(module.weight, "SCB", None) is None and getattr(module.state, "SCB", None) is not None:
         module.weight.SCB = module.state.SCB
+
+
+# A 4-bit weight's quantization state in its state dict (bitsandbytes' QuantState.as_dict): these describe the format
+# (they fix the shapes and meaning of the bytes, so must equal the live module's); the rest is data, restored.
+_4BIT_FORMAT = ("quant_type", "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype")
+
+
+def accept_4bit_state(model: nn.Module) -> int:
+    """Let a 4-bit Linear load back the quantization state its own state dict writes; returns how many Linears.
+
+    bitsandbytes' ``Linear4bit`` (0.50) writes ``<prefix>weight.absmax``, ``.quant_map``, ``.nested_absmax``,
+    ``.nested_quant_map`` and a packed ``.quant_state.bitsandbytes__<type>`` beside the packed weight, but takes none
+    of them back, so a strict ``load_state_dict`` (``accelerator.load_state``) refuses them as unexpected keys.
+    A load pre-hook consumes them. The saved state round-trips rather than being checked against the state the base
+    was quantized to at this load: the checkpoint's packed bytes are loaded too, and they only mean what they meant
+    with their own statistics; and re-quantizing gives the same bytes only with the same bitsandbytes kernels (a run
+    saved on CUDA and resumed on CPU, or after an upgrade, need not). So the resumed base is the saved base, byte
+    for byte, as a float frozen base is. The format (type, block size, dtype, shape) cannot change under a loaded
+    module: a different one is refused, naming the value and the fix."""
+    count = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")  # its own (the bnb layer), not PEFT's wrapper's view of it
+        if getattr(weight, "quant_state", None) is not None and getattr(weight, "bnb_quantized", False):
+            if not module.__dict__.get("_nd_parallel_4bit_load", False):
+                module._register_load_state_dict_pre_hook(_load_4bit_state, with_module=True)
+                module._nd_parallel_4bit_load = True
+            count += 1
+    return count
+
+
+def _load_4bit_state(module: nn.Module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    weight = module.weight
+    if getattr(weight.quant_state, "packing_format_for_cpu", False):  # an eval forward on CPU repacked it: undo
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+    qs, head = weight.quant_state, prefix + "weight."
+    saved = {k[len(head):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(head)}
+    if not saved:
+        return  # a state dict without the quantization state (e.g. one the caller filtered): bytes only, as before
+    split = module.__dict__.get("_nd_parallel_tp_part")
+    if split is not None:  # plain tensors, which a checkpoint keeps once: every rank would get one rank's part
+        errors.append(f"{head[:-1]}: this 4-bit Linear is split by tensor parallelism (dim {split[0]}, part "
+                      f"{split[1]} of {split[2]}); its packed bytes and statistics are this rank's part, which a "
+                      "checkpoint does not keep per rank, so loading it would give every rank one rank's part. "
+                      "Resume a QLoRA run with tp_size=1 (dp_shard_size, pp_size or cp_size hold the base whole), "
+                      "or keep the quantized layers whole (ParallelismConfig(tp_plan={<layer>: None, ...}))")
+        return
+    packed = [k for k in saved if k.startswith("quant_state.bitsandbytes__")]
+    stats = unpack_tensor_to_dict(saved.pop(packed[0])) if len(packed) == 1 else {}
+    live, found = qs.as_dict(), []
+    fix = ("load the base with the BitsAndBytesConfig (bnb_4bit_quant_type, bnb_4bit_use_double_quant) and dtype "
+           "it was saved with, and the same model config")
+    for key in _4BIT_FORMAT:
+        want = list(live[key]) if key == "shape" else live.get(key)
+        if stats.get(key) != want:
+            found.append(f"{head}{key}: {stats.get(key)!r} in the checkpoint, {want!r} in this 4-bit base; {fix}")
+    missing_keys = sorted(k for k, v in live.items() if isinstance(v, torch.Tensor) and k not in saved)
+    if found or missing_keys or set(saved) - set(live):
+        errors.extend(found or [f"{head}: the checkpoint's quantization state holds {sorted(saved)}, this 4-bit base "
+                          f"{sorted(k for k, v in live.items() if isinstance(v, torch.Tensor))}; {fix}"])
+        return
+    with torch.no_grad():
+        targets = {"absmax": qs.absmax, "quant_map": qs.code}
+        if qs.nested:
+            targets.update(nested_absmax=qs.state2.absmax, nested_quant_map=qs.state2.code)
+            qs.offset.fill_(stats["nested_offset"])  # data (the mean of the block scales), stored as a Python float
+        for key, target in targets.items():
+            value = saved[key]
+            if value.shape != target.shape or value.dtype != target.dtype:
+                errors.append(f"{head}{key}: {value.dtype}{tuple(value.shape)} in the checkpoint, "
+                              f"{target.dtype}{tuple(target.shape)} in this 4-bit base; {fix}")
+            elif not torch.equal(value.to(target.device), target):  # DCP may already have loaded it in place
+                target.copy_(value)
 
 
 def check_quantized(model: nn.Module, config, has_adapter: bool) -> None:

@@ -51,6 +51,34 @@ class Int8RowsParametrization(nn.Module):
         return rows.reshape(data.shape).to(self.dtype)
 
 
+def _dequantize_4bit(state) -> nn.Module:
+    """bitsandbytes' ``Bnb4bitParametrization`` whose block statistics are buffers, saved and loaded with the packed
+    data (as ``Int8RowsParametrization``'s row scales are): a resumed run's experts are the saved ones, bytes and
+    statistics together, even where quantizing the checkpoint again would not give the same bytes (another kernel
+    or bitsandbytes version). The buffers are the truth (torch moves them and loads into them in place); the quant
+    state is pointed at them before every dequantization."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
+    class Dequantize4bit(Bnb4bitParametrization):
+        def __init__(self, state):
+            super().__init__(state)
+            self.register_buffer("absmax", state.absmax)
+            self.register_buffer("quant_map", state.code)
+            if state.nested:
+                self.register_buffer("offset", state.offset)
+                self.register_buffer("nested_absmax", state.state2.absmax)
+                self.register_buffer("nested_quant_map", state.state2.code.clone())  # bitsandbytes shares that map
+
+        def forward(self, data: torch.Tensor) -> torch.Tensor:
+            qs = self.quant_state
+            qs.absmax, qs.code = self.absmax, self.quant_map
+            if qs.nested:
+                qs.offset, qs.state2.absmax, qs.state2.code = self.offset, self.nested_absmax, self.nested_quant_map
+            return super().forward(data)
+
+    return Dequantize4bit(state)
+
+
 def _cache_on(module, inputs):  # dequantize each expert tensor once per forward of its module
     P._cache_enabled += 1
 
@@ -69,16 +97,14 @@ def quantize_tensor(module: nn.Module, name: str, bits: int, quant_type: str = "
     which renames the data to ``<name>`` and adds ``<name>.absmax`` etc.: torch's distributed state dict resolves
     every key by ``getattr`` along its dotted name, and ``module.<name>`` is the dequantized tensor, which has no
     ``absmax``. The data stays under torch's own name (``parametrizations.<name>.original``), which resolves; the
-    quantization statistics are not saved (a frozen base is quantized again from its checkpoint at every load, to
-    the same bytes)."""
+    quantization statistics are buffers of the parametrization (``parametrizations.<name>.0.absmax`` etc.; 8-bit:
+    ``.row_stats``), saved and loaded with the data, so a checkpoint restores both together."""
     import bitsandbytes.functional as bnbf
 
     weight = getattr(module, name)
     if bits == 4:
-        from bitsandbytes.nn.parametrize import Bnb4bitParametrization
-
         data, state = bnbf.quantize_4bit(weight.data, compress_statistics=double_quant, quant_type=quant_type)
-        parametrization = Bnb4bitParametrization(state)
+        parametrization = _dequantize_4bit(state)
     else:
         data, row_stats, _ = bnbf.int8_vectorwise_quant(weight.data.reshape(-1, weight.shape[-1]).to(torch.float16))
         data, parametrization = data.reshape(weight.shape), Int8RowsParametrization(row_stats, weight.dtype)

@@ -1,6 +1,7 @@
 """QLoRA parity: a LoRA adapter on a 4-bit NF4 base (double quantization) trains under FSDP2, PP2, TP2 and CP2 exactly
 as in one process on the same quantized base; LoRA on an 8-bit (LLM.int8) base under FSDP2, PP2 and CP2 likewise; and
-bitsandbytes' AdamW8bit under FSDP2 as in one process (last test, its own tolerance). One 2-rank launch.
+bitsandbytes' AdamW8bit under FSDP2 as in one process (last test, its own tolerance); and a run resumed from
+save_state equals the uninterrupted one (FSDP2 and PP2 4-bit, FSDP2 8-bit; issue 19). One 2-rank launch.
 
 The 8-bit base on CPU: bitsandbytes (0.50) runs a Linear8bitLt in training mode as ``MatMul8bitFp``: the int8 rows
 times their per-row scale / 127, then an fp32 matmul, forward and backward; a per-row function of the frozen weight,
@@ -41,17 +42,26 @@ SAMPLES = dict(n=16, seq_len=32, seed=1)
 ROWS = {"fsdp2": (4, {"dp_shard_size": 2}, 2), "pp2": (4, {"pp_size": 2}, 1), "tp2": (4, {"tp_size": 2}, 1),
         "cp2": (4, {"cp_size": 2}, 1), "fsdp2_8bit": (8, {"dp_shard_size": 2}, 2), "pp2_8bit": (8, {"pp_size": 2}, 1),
         "cp2_8bit": (8, {"cp_size": 2}, 1)}
+# Checkpoint rows: these rows save_state after step SAVE_AT (training goes on); "resume_<row>" loads it under the same
+# layout and runs the remaining steps (test_qlora_resume_equals_the_uninterrupted_run).
+RESUME, SAVE_AT = ("fsdp2", "pp2", "fsdp2_8bit"), 1
 # Full fine-tuning of the unquantized model with bitsandbytes' AdamW8bit, one process vs FSDP2 (test_8bit_optimizer...)
 OPTIM_ROW = ("fsdp2_adamw8bit", {"dp_shard_size": 2}, 2, {"optim": "adamw_8bit"})
 
 
+def _spec(out, tiny_model):
+    name, layout, _, overrides = OPTIM_ROW
+    saving = {n: {"save_at": SAVE_AT, "ckpt": str(out / f"ckpt_{n}")} for n in RESUME}
+    return {"models": {"llama": tiny_model("llama")}, "recipe": RECIPE, "samples": SAMPLES,
+            "runs": [["llama", bits, layout, name, {}, saving.get(name, {})]
+                     for name, (bits, layout, _) in ROWS.items()]
+            + [["llama", ROWS[n][0], ROWS[n][1], f"resume_{n}", {}, {"resume": saving[n]["ckpt"]}] for n in RESUME]
+            + [["llama", 0, layout, name, overrides]]}
+
+
 @pytest.fixture(scope="module")
 def launched(launch_worker, tiny_model):
-    name, layout, _, overrides = OPTIM_ROW
-    spec = {"models": {"llama": tiny_model("llama")}, "recipe": RECIPE, "samples": SAMPLES,
-            "runs": [["llama", bits, layout, name] for name, (bits, layout, _) in ROWS.items()]
-            + [["llama", 0, layout, name, overrides]]}
-    return launch_worker("qlora_2r", WORKER, 2, spec)
+    return launch_worker("qlora_2r", WORKER, 2, lambda out: _spec(out, tiny_model))
 
 
 def _reference(model_dir, bits, dp):
@@ -149,3 +159,21 @@ def test_8bit_optimizer_under_fsdp2_matches_one_process(launched, tiny_model, me
             codes, differ = codes + mine.numel(), differ + int((mine != theirs).sum())
             assert int((mine - theirs).abs().max()) <= 1, (pname, key)
     assert codes and differ <= codes // 1000, (differ, codes)
+
+
+@pytest.mark.parametrize("name", RESUME)
+def test_qlora_resume_equals_the_uninterrupted_run(launched, name):
+    """Issue 19: save_state after step SAVE_AT, then load_state under the same layout and train the remaining steps:
+    every loss, grad norm and the final adapter equal the uninterrupted run's, bit for bit (the same layout sums in
+    the same order, and the checkpoint restores adapter, AdamW state, scheduler, RNG and data position exactly), and
+    the resumed run holds the same quantized base: packed bytes and every quantization statistic (for a 4-bit base
+    also the ones its checkpoint keys hold beside the weight, absmax, quant_map and the nested ones, which a strict
+    load refused before models/quantized.accept_4bit_state)."""
+    whole, resumed = torch.load(launched / f"{name}.pt"), torch.load(launched / f"resume_{name}.pt")
+    assert len(resumed["losses"]) == RECIPE["steps"] - SAVE_AT
+    assert resumed["losses"] == whole["losses"][SAVE_AT:], (resumed["losses"], whole["losses"])
+    assert resumed["norms"] == whole["norms"][SAVE_AT:], (resumed["norms"], whole["norms"])
+    assert set(resumed["state"]) == set(whole["state"]) and resumed["state"]
+    for key, value in whole["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    assert resumed["base_digest"] == whole["base_digest"] is not None

@@ -1,7 +1,7 @@
 """Quantized MoE expert tensors (quantize_moe_experts) under layouts: LoRA on a tiny qwen3_moe whose attention
 Linears AND fused expert tensors are a 4-bit NF4 base (8-bit int8 rows for the 8-bit rows) trains under FSDP2, DDP
-(dp_replicate_size), PP2 and CP2 exactly as in one process on the same quantized base. One 2-rank launch
-(qlora_worker.py).
+(dp_replicate_size), PP2 and CP2 exactly as in one process on the same quantized base; and a run resumed from
+save_state equals the uninterrupted one (FSDP2 and PP2 4-bit, FSDP2 8-bit). One 2-rank launch (qlora_worker.py).
 
 Tolerance, derived as for the Linears' QLoRA rows (test_qlora.py): quantization is a deterministic function of the
 checkpoint (the same bytes on every load, tests/unit/test_quantized_experts.py), so every rank and the reference
@@ -35,14 +35,23 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
 # name -> (bits, layout, data-parallel ranks)
 ROWS = {"fsdp2": (4, {"dp_shard_size": 2}, 2), "ddp": (4, {"dp_replicate_size": 2}, 2), "pp2": (4, {"pp_size": 2}, 1),
         "cp2": (4, {"cp_size": 2}, 1), "fsdp2_8bit": (8, {"dp_shard_size": 2}, 2), "pp2_8bit": (8, {"pp_size": 2}, 1)}
+# Checkpoint rows, as in test_qlora.py: save_state after step SAVE_AT, "resume_<row>" resumes under the same layout.
+RESUME, SAVE_AT = ("fsdp2", "pp2", "fsdp2_8bit"), 1
+
+
+def _spec(out, tiny_model):
+    saving = {n: {"save_at": SAVE_AT, "ckpt": str(out / f"ckpt_{n}")} for n in RESUME}
+    return {"models": {"qwen3_moe": tiny_model("qwen3_moe", **MOE)}, "recipe": RECIPE, "samples": SAMPLES,
+            "quantize_experts": True,
+            "runs": [["qwen3_moe", bits, layout, name, {}, saving.get(name, {})]
+                     for name, (bits, layout, _) in ROWS.items()]
+            + [["qwen3_moe", ROWS[n][0], ROWS[n][1], f"resume_{n}", {}, {"resume": saving[n]["ckpt"]}]
+               for n in RESUME]}
 
 
 @pytest.fixture(scope="module")
 def launched(launch_worker, tiny_model):
-    spec = {"models": {"qwen3_moe": tiny_model("qwen3_moe", **MOE)}, "recipe": RECIPE, "samples": SAMPLES,
-            "quantize_experts": True,
-            "runs": [["qwen3_moe", bits, layout, name] for name, (bits, layout, _) in ROWS.items()]}
-    return launch_worker("qlora_experts_2r", WORKER, 2, spec)
+    return launch_worker("qlora_experts_2r", WORKER, 2, lambda out: _spec(out, tiny_model))
 
 
 def _reference(model_dir, bits, dp):
@@ -70,3 +79,18 @@ def test_quantized_experts_match_one_process_on_the_same_quantized_base(launched
     assert ref.losses[-1] < ref.losses[0]  # the adapter trains
     held = got["memory"]["quantized"]
     assert held == ref.base_bytes if not name.startswith("pp2") else 0 < held < ref.base_bytes, (held, ref.base_bytes)
+
+
+@pytest.mark.parametrize("name", RESUME)
+def test_quantized_experts_resume_equals_the_uninterrupted_run(launched, name):
+    """save_state after step SAVE_AT, load_state under the same layout, the remaining steps: losses, grad norms and
+    the final adapter bit-equal to the uninterrupted run (same layout, same sums, exact restore), and the same
+    quantized base, experts included: packed bytes and their statistics (saved with them, quantized_experts.py)."""
+    whole, resumed = torch.load(launched / f"{name}.pt"), torch.load(launched / f"resume_{name}.pt")
+    assert len(resumed["losses"]) == RECIPE["steps"] - SAVE_AT
+    assert resumed["losses"] == whole["losses"][SAVE_AT:], (resumed["losses"], whole["losses"])
+    assert resumed["norms"] == whole["norms"][SAVE_AT:], (resumed["norms"], whole["norms"])
+    assert set(resumed["state"]) == set(whole["state"]) and resumed["state"]
+    for key, value in whole["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    assert resumed["base_digest"] == whole["base_digest"] is not None

@@ -82,6 +82,40 @@ def test_an_8bit_base_state_dict_names_resolve_and_load_after_a_forward(tiny_mod
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
 
 
+def test_a_4bit_base_loads_back_its_own_quantization_state_strictly(tiny_models):
+    """accept_4bit_state (issue 19): a 4-bit Linear's state dict holds weight.absmax, .quant_map, .nested_absmax,
+    .nested_quant_map and a packed .quant_state.bitsandbytes__nf4, which bitsandbytes does not take back (a strict
+    load, as accelerator.load_state does, refused them as unexpected keys). They now load, and round-trip: statistics
+    that differ from the saved ones (here overwritten) are the saved ones again after the load, byte for byte; a
+    checkpoint of another format (block size) is refused with the value and the fix."""
+    from bitsandbytes.utils import pack_dict_to_tensor, unpack_tensor_to_dict
+    from peft import LoraConfig, get_peft_model
+
+    from nd_parallel.models.quantized import accept_4bit_state
+
+    model = get_peft_model(_load(tiny_models["llama"]), LoraConfig(r=2, target_modules=["q_proj", "down_proj"]))
+    assert accept_4bit_state(model) == 14 and accept_4bit_state(model) == 14  # the bnb layers, hooked once
+    model.train()(torch.randint(0, 32, (1, 8)))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    blob = next(k for k in saved if k.endswith("q_proj.base_layer.weight.quant_state.bitsandbytes__nf4"))
+    qs = model.get_submodule(blob[:-len(".weight.quant_state.bitsandbytes__nf4")]).weight.quant_state
+    qs.absmax.add_(1)
+    qs.offset.add_(1.0)
+    qs.state2.absmax.mul_(2)
+    model.load_state_dict(saved)  # strict
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    stats = unpack_tensor_to_dict(saved[blob])
+    saved[blob] = pack_dict_to_tensor({**stats, "blocksize": 128})
+    with pytest.raises(RuntimeError, match=r"weight.blocksize: 128 in the checkpoint, 64 in this 4-bit base; load "
+                                           r"the base with the BitsAndBytesConfig"):
+        model.load_state_dict(saved)
+    saved[blob] = pack_dict_to_tensor(stats)
+    model.get_submodule(blob[:-len(".weight.quant_state.bitsandbytes__nf4")])._nd_parallel_tp_part = (0, 1, 2)
+    with pytest.raises(RuntimeError, match=r"split by tensor parallelism .*part 1 of 2.* Resume a QLoRA run with "
+                                           r"tp_size=1"):  # a TP-split layer's state is one rank's: refused
+        model.load_state_dict(saved)
+
+
 def _bnb_run(make_params, steps=3):
     """AdamW8bit over the parameters ``make_params`` builds, fed the same gradients: (parameter, state) each step."""
     import bitsandbytes as bnb

@@ -142,7 +142,8 @@ def test_the_yaml_key_follows_axolotls_rules_and_refuses_what_is_not_implemented
 
 def test_state_dict_names_resolve_by_getattr_and_load_back(moe_dir):
     """torch's distributed state dict (accelerator.get_state_dict / save_state) resolves every key by getattr along
-    its dotted name: the packed experts are saved under torch's parametrization name, and load back into it (the
+    its dotted name: the packed experts are saved under torch's parametrization name with their statistics (buffers
+    of the parametrization: absmax, quant_map, offset, nested_absmax, nested_quant_map), and load back into them (the
 4-bit Linears' own loading is bitsandbytes', not checked here)."""
     model = _load(moe_dir, 4, experts=True)
     state = model.state_dict()
@@ -152,14 +153,15 @@ def test_state_dict_names_resolve_by_getattr_and_load_back(moe_dir):
         for part in key.split("."):
             obj = getattr(obj, part)
     experts = {k: torch.zeros_like(v) for k, v in state.items() if ".parametrizations." in k}
-    assert len(experts) == 4 and not model.load_state_dict(experts, strict=False).unexpected_keys
+    assert len(experts) == 4 * 6 and not model.load_state_dict(experts, strict=False).unexpected_keys
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in experts.items())  # loaded into the packed data
 
 
 def test_torch_distributed_state_dict_round_trips_the_quantized_experts(moe_dir, one_rank_group):
     """get_/set_model_state_dict (what save_state / load_state use) on a model whose only quantized tensors are
     its experts (from_pretrained without BitsAndBytesConfig, under quantizing_experts): every key resolves and
-    loads back, strict."""
+    loads back, strict; the statistics too: overwritten, they are the saved ones again, and so is the dequantized
+    tensor (a checkpoint restores bytes and statistics together, issue 19)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -168,7 +170,13 @@ def test_torch_distributed_state_dict_round_trips_the_quantized_experts(moe_dir,
     assert sorted(quantized_experts(model)) == sorted(NAMES) and len(quantized_params(model)) == 4
     saved = {k: v.clone() for k, v in get_model_state_dict(model).items()}
     key = "model.layers.0.mlp.experts.parametrizations.gate_up_proj.original"
+    experts = model.model.layers[0].mlp.experts
+    before = experts.gate_up_proj.clone()
     with torch.no_grad():
         dict(model.named_parameters())[key].zero_()
+        experts.parametrizations.gate_up_proj[0].nested_absmax.mul_(2)
+        experts.parametrizations.gate_up_proj[0].offset.add_(1)
+    assert not torch.equal(experts.gate_up_proj, before)
     set_model_state_dict(model, saved)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+    assert torch.equal(experts.gate_up_proj, before)
