@@ -31,7 +31,7 @@ from nd_parallel.testing.models import make_samples
 from nd_parallel.testing.parity import Recipe, RunResult, compare, train_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from qlora_recipe import qlora_model  # noqa: E402
+from qlora_recipe import assert_adapter_matches, assert_resume_equals, qlora_model  # noqa: E402
 
 pytest.importorskip("bitsandbytes")
 
@@ -98,12 +98,7 @@ def test_qlora_matches_one_process_on_the_same_quantized_base(launched, tiny_mod
     bits, _, dp = ROWS[name]
     ref = memo((bits, dp), lambda: _reference(tiny_model("llama"), bits, dp))
     got = torch.load(launched / f"{name}.pt")
-    adapter = {k: v for k, v in ref.state.items() if "lora_" in k}
-    assert adapter and set(got["state"]) == set(adapter)
-    diff = compare(RunResult(ref.losses, ref.norms, adapter), RunResult(got["losses"], got["norms"], got["state"]))
-    assert diff["loss_rel"] <= 1e-5 and diff["norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-5, diff
-    assert got["rank_spread"] == 0.0
-    assert ref.losses[-1] < ref.losses[0]  # the adapter trains
+    assert_adapter_matches(ref, got)
     # The quantized base (packed NF4 bytes, or int8 rows) is held whole by every FSDP2 and CP rank, in part by each
     # PP stage, and split by TP where its blocks line up with the split (the tiny model's 64-wide o_proj stays whole).
     base = sum(p.numel() * p.element_size() for p in ref.model_quantized)
@@ -170,10 +165,4 @@ def test_qlora_resume_equals_the_uninterrupted_run(launched, name):
     also the ones its checkpoint keys hold beside the weight, absmax, quant_map and the nested ones, which a strict
     load refused before models/quantized.accept_4bit_state)."""
     whole, resumed = torch.load(launched / f"{name}.pt"), torch.load(launched / f"resume_{name}.pt")
-    assert len(resumed["losses"]) == RECIPE["steps"] - SAVE_AT
-    assert resumed["losses"] == whole["losses"][SAVE_AT:], (resumed["losses"], whole["losses"])
-    assert resumed["norms"] == whole["norms"][SAVE_AT:], (resumed["norms"], whole["norms"])
-    assert set(resumed["state"]) == set(whole["state"]) and resumed["state"]
-    for key, value in whole["state"].items():
-        assert torch.equal(resumed["state"][key], value), key
-    assert resumed["base_digest"] == whole["base_digest"] is not None
+    assert_resume_equals(whole, resumed, SAVE_AT, RECIPE["steps"])

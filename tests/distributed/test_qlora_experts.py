@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from nd_parallel.testing.models import make_samples
-from nd_parallel.testing.parity import Recipe, RunResult, compare, train_reference
+from nd_parallel.testing.parity import Recipe, train_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from qlora_recipe import qlora_model  # noqa: E402
+from qlora_recipe import assert_adapter_matches, assert_resume_equals, qlora_model  # noqa: E402
 
 pytest.importorskip("bitsandbytes")
 
@@ -71,12 +71,7 @@ def test_quantized_experts_match_one_process_on_the_same_quantized_base(launched
     bits, _, dp = ROWS[name]
     ref = memo((bits, dp), lambda: _reference(tiny_model("qwen3_moe", **MOE), bits, dp))
     got = torch.load(launched / f"{name}.pt")
-    adapter = {k: v for k, v in ref.state.items() if "lora_" in k}
-    assert adapter and set(got["state"]) == set(adapter)
-    diff = compare(RunResult(ref.losses, ref.norms, adapter), RunResult(got["losses"], got["norms"], got["state"]))
-    assert diff["loss_rel"] <= 1e-5 and diff["norm_rel"] <= 1e-5 and diff["param_abs"] <= 1e-5, diff
-    assert got["rank_spread"] == 0.0
-    assert ref.losses[-1] < ref.losses[0]  # the adapter trains
+    assert_adapter_matches(ref, got)
     held = got["memory"]["quantized"]
     assert held == ref.base_bytes if not name.startswith("pp2") else 0 < held < ref.base_bytes, (held, ref.base_bytes)
 
@@ -87,10 +82,4 @@ def test_quantized_experts_resume_equals_the_uninterrupted_run(launched, name):
     the final adapter bit-equal to the uninterrupted run (same layout, same sums, exact restore), and the same
     quantized base, experts included: packed bytes and their statistics (saved with them, quantized_experts.py)."""
     whole, resumed = torch.load(launched / f"{name}.pt"), torch.load(launched / f"resume_{name}.pt")
-    assert len(resumed["losses"]) == RECIPE["steps"] - SAVE_AT
-    assert resumed["losses"] == whole["losses"][SAVE_AT:], (resumed["losses"], whole["losses"])
-    assert resumed["norms"] == whole["norms"][SAVE_AT:], (resumed["norms"], whole["norms"])
-    assert set(resumed["state"]) == set(whole["state"]) and resumed["state"]
-    for key, value in whole["state"].items():
-        assert torch.equal(resumed["state"][key], value), key
-    assert resumed["base_digest"] == whole["base_digest"] is not None
+    assert_resume_equals(whole, resumed, SAVE_AT, RECIPE["steps"])
