@@ -334,7 +334,7 @@ def load_model_state(state: TrainState, input_dir) -> None:
     from .asynchronous import wait_pending
 
     wait_pending()
-    path = Path(os.path.expanduser(str(input_dir)))
+    path = _source(state, input_dir)
     read_marker(path)  # refuses an incomplete checkpoint (no completion marker)
     metadata = read_dcp_metadata(path / DCP_DIR)
     named = named_state(state.the_model(), None, for_load=True)

@@ -96,8 +96,9 @@ def carried_layer_state(base: nn.Module) -> list[str]:
     the hidden states (HY-V4's ``prev_topk_indices=topk_indices``), read from its source."""
     carried = []
     for loop, layer in _layer_loops(forward_tree(type(base))):
+        calls = {id(c) for c in _calls_of(loop, layer)}  # once per loop, not per node of it
         for node in ast.walk(loop):
-            if not (isinstance(node, ast.Assign) and node.value in _calls_of(loop, layer)
+            if not (isinstance(node, ast.Assign) and id(node.value) in calls
                     and isinstance(node.targets[0], ast.Tuple)):
                 continue
             outs = {e.id for e in node.targets[0].elts[1:] if isinstance(e, ast.Name)}
