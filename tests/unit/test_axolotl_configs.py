@@ -83,11 +83,19 @@ def test_bad_input_named_with_file_key_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"deepspeed='zero9.json'.*not one of Axolotl's deepspeed_configs.*"
                                           r"dp_shard_size: -1"):
         load_train_config(_write(tmp_path, "deepspeed: zero9.json\n"), environ={})
-    # Axolotl's key reaches ParallelismConfig's ep_size, and its own check answers (a one-rank world has no dp
-    # ranks for ep to borrow)
+    # Axolotl's key reaches ParallelismConfig's ep_size; alone (Axolotl's examples/expert_parallel) the data-parallel
+    # ranks left over shard the rest, and the world size is checked once known (a one-rank world has no dp ranks
+    # for ep to borrow)
+    ep = load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin]"
+                                            "\nexpert_parallel_size: 2\n"), environ={})
+    assert (ep.parallel.ep_size, ep.parallel.dp_shard_size) == (2, -1)
+    assert any(n.startswith("expert_parallel_size without dp_shard_size") for n in ep.notes)
+    assert ep.parallel.resolve(4).dp_shard_size == 4
     with pytest.raises(ConfigError, match=r"ep_size=2 does not fit dp_shard_size=1.*ep_size must divide"):
-        load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.expert_parallel.ExpertParallelPlugin]"
-                                           "\nexpert_parallel_size: 2\n"), environ={})
+        ep.parallel.resolve(1)
+    with pytest.raises(ConfigError, match=r"ep_size=2 does not fit dp_shard_size=3"):
+        load_train_config(_write(tmp_path, "expert_parallel_size: 2\ndp_shard_size: 3\nplugins: "
+                                           "[axolotl.integrations.expert_parallel.ExpertParallelPlugin]\n"), environ={})
     with pytest.raises(ConfigError, match=r"fsdp: 'hybrid_shard': set dp_replicate_size"):
         load_train_config(_write(tmp_path, "fsdp: [hybrid_shard, auto_wrap]\n"), environ={})
     with pytest.raises(ConfigError, match=r"chat_template='qwen2_vl' renders images"):

@@ -289,8 +289,13 @@ def _layout(path, d: dict, environ, mapped: Mapped) -> tuple[ParallelismConfig |
         if key in PARALLEL_KEYS or key in {f.name for f in dataclasses.fields(ParallelismConfig)}:
             yaml_layout.setdefault(key, value)
     sharded = d.get("fsdp") or d.get("fsdp_config") or d.get("fsdp_version")
-    if sharded and "dp_shard_size" not in yaml_layout and not any(k.startswith("dp_") for k in yaml_layout):
+    experts = yaml_layout.get("ep_size") not in (None, 1)
+    if (sharded or experts) and not any(k.startswith("dp_") for k in yaml_layout):
         yaml_layout["dp_shard_size"] = -1  # Axolotl with FSDP on and no size: shard over the ranks left over
+        if experts and not sharded:  # Axolotl's EP alone: experts split over the world, the rest replicated (DDP)
+            mapped.notes.append("expert_parallel_size without dp_shard_size: the experts are split over "
+                                "expert_parallel_size ranks and the other weights are FSDP2-sharded over the data-"
+                                "parallel ranks (dp_shard_size: -1, where Axolotl replicates them): the same training")
     refused = [f"{k}: {why}" for k, why in refused]
     try:  # One precedence rule (nd_parallel/config): YAML overrides the PARALLELISM_CONFIG_* variables.
         layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
