@@ -186,9 +186,11 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
             # compute dtype: bf16 beside the fp32 sum)
             loss = chunk * at_loss * share + grad_hidden + grad_head * (1 + train.compute_bytes / FP32)
         # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward; the
-        # hidden states' gradient of the one whose backward runs is consumed by its last layer, its head's is not
+        # hidden states' gradient of the one whose backward runs is consumed by its last layer, its head's is not:
+        # the loss's backward hands it to the head's parameter as the model holds it in forward (the compute dtype:
+        # under bf16 fully_shard's bf16 copy), and that copy's gradient lives until the root group's reduce-scatter
         others = (flight - 1) * (grad_hidden + grad_head)
-        return loss + others, grad_head + others
+        return loss + others, grad_head * train.compute_bytes / FP32 + others
     # The last stage keeps each in-flight micro-batch's logits and log_softmax output until its backward (GPipe:
     # all of them); the one whose backward starts also has both gradients. Through the layers' backward the caller
     # still holds its logits (`out`), and the head's gradient is formed.
