@@ -49,9 +49,10 @@ def _padding_free(args) -> bool:
         getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") in ("bfd", "bfd_split")))
 
 
-def _aux_loss(trainer) -> bool:
-    """SFTTrainer's aux_loss_enabled, which it sets only after Trainer.__init__ (where adopt runs): a MoE text
-    config (one with output_router_logits) and a non-zero coefficient (the args', else the config's)."""
+def aux_loss_enabled(trainer) -> bool:
+    """TRL's aux_loss_enabled (SFTTrainer's, DPOTrainer's), which they set only after Trainer.__init__ (where adopt
+    runs): a MoE text config (one with output_router_logits) and a non-zero coefficient (the args', else the
+    config's)."""
     if hasattr(trainer, "aux_loss_enabled"):
         return bool(trainer.aux_loss_enabled)
     model = getattr(trainer, "model", None)
@@ -76,7 +77,7 @@ def check_sft_args(trainer, config) -> None:
          "its loss divides by this rank's tokens; use label_smoothing_factor=0"),
         (getattr(args, "loss_type", "nll") != "nll", f"loss_type={getattr(args, 'loss_type', None)!r}",
          "only the token-mean negative log-likelihood is made global; use loss_type='nll'"),
-        (_aux_loss(trainer), "the MoE router auxiliary loss (aux_loss_enabled)",
+        (aux_loss_enabled(trainer), "the MoE router auxiliary loss (aux_loss_enabled)",
          "it is a load-balancing statistic of this rank's micro-batch, not of the global batch; set "
          "SFTConfig(router_aux_loss_coef=0.0)"),
         (bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True",

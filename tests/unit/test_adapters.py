@@ -156,3 +156,34 @@ def test_pipeline_token_stats_are_the_sums_behind_accuracy_and_entropy():
     assert abs(entropy - (-(logp.exp() * logp).sum()).item()) < 1e-6
     valid, correct, _ = token_stats(logits, torch.tensor([[0, 1, -100]]), shifted=True).tolist()
     assert (valid, correct) == (2, 2)
+
+
+def _dpo(**args):
+    """A stand-in DPOTrainer (class named DPOTrainer from a 'trl.' module), without TRL."""
+    from types import SimpleNamespace
+
+    DPOTrainer = type("DPOTrainer", (), {"__module__": "trl.trainer.dpo_trainer"})
+    trainer = DPOTrainer()
+    trainer.args = SimpleNamespace(**{"loss_type": ["sigmoid"], "precompute_ref_log_probs": False,
+                                      "sync_ref_model": False, "padding_free": False, **args})
+    trainer.aux_loss_enabled = False
+    return trainer
+
+
+@pytest.mark.parametrize("layout,change,message", [
+    (dict(pp_size=2), {}, "DPOTrainer under pp_size=2: .*use dp_shard_size / dp_replicate_size / tp_size"),
+    (dict(cp_size=2), {}, "DPOTrainer under cp_size=2: .*whole sequence on one rank"),
+    (dict(dp_shard_size=2), dict(loss_type=["sigmoid", "aot"]), "loss_type=\\['aot'\\] under .*per-pair loss"),
+    (dict(dp_replicate_size=2), dict(loss_type=["sft"]), "loss_type=\\['sft'\\]"),
+    (dict(tp_size=2), dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True .*leave it False"),
+    (dict(dp_shard_size=2), dict(sync_ref_model=True), "sync_ref_model=True"),
+    (dict(tp_size=2), dict(padding_free=True), "padding_free=True .*padding_free=False"),
+])
+def test_dpo_trainer_options_that_cannot_be_exact_are_refused(layout, change, message):
+    from nd_parallel.plugins.trainer.dpo import check_dpo_args, is_dpo_trainer
+
+    assert is_dpo_trainer(_dpo()) and not is_dpo_trainer(_sft())
+    with pytest.raises(NotImplementedError, match=message):
+        check_dpo_args(_dpo(**change), ParallelismConfig(**layout).resolve(2))
+    check_dpo_args(_dpo(), ParallelismConfig(dp_shard_size=2).resolve(2))
+    check_dpo_args(_dpo(loss_type=["aot"]), ParallelismConfig(tp_size=2).resolve(2))  # tp: the whole batch

@@ -64,6 +64,38 @@ def test_a_group_mixing_dtensor_and_plain_parameters_keeps_the_loop(one_rank_gro
     only.step()  # DTensor foreach kernels run
 
 
+def test_a_fused_group_mixing_dtensor_and_plain_parameters_takes_the_loop(one_rank_group):
+    """The Trainer's default adamw_torch_fused under TP without FSDP (LoRA's factors, norms plain): torch's fused
+    kernel refuses the mix at the first step; unfused, the update equals the fused one on plain copies."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [0])
+    torch.manual_seed(0)
+    values, grads = [torch.randn(4, 4), torch.randn(4)], [torch.randn(4, 4), torch.randn(4)]
+    shared = torch.nn.Parameter(distribute_tensor(values[0].clone(), mesh, [Replicate()]))
+    plain = torch.nn.Parameter(values[1].clone())
+    mixed = torch.optim.AdamW([shared, plain], lr=1e-2, fused=True)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):  # torch 2.13 without the fix
+        shared.grad = distribute_tensor(grads[0], mesh, [Replicate()])
+        plain.grad = grads[1].clone()
+        mixed.step()
+    mixed = torch.optim.AdamW([shared, plain], lr=1e-2, fused=True)
+    prefer_foreach(mixed)
+    assert (mixed.param_groups[0]["fused"], mixed.param_groups[0]["foreach"]) == (False, False)
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    fused = torch.optim.AdamW(reference, lr=1e-2, fused=True)
+    for _ in range(3):
+        shared.grad = distribute_tensor(grads[0], mesh, [Replicate()])
+        plain.grad = grads[1].clone()
+        mixed.step()
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        fused.step()
+    assert torch.allclose(shared.full_tensor(), reference[0], rtol=0, atol=1e-7)
+    assert torch.allclose(plain, reference[1], rtol=0, atol=1e-7)
+
+
 def test_the_plugin_turns_it_on_once_prepared(tmp_path):
     model_dir = save_tiny_model("llama", tmp_path / "llama")
     from transformers import AutoModelForCausalLM

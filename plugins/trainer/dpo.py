@@ -1,0 +1,110 @@
+"""TRL's ``DPOTrainer`` (1.16) under FSDP2 / HSDP / DDP / TP / EP: its loss made the mean over the global batch's pairs.
+
+What DPOTrainer does on its own, and why each part is turned here (adopt.py calls ``adopt_dpo``):
+
+- **Log-probs.** It calls the model with ``fused_lm_head=True`` (``add_fused_lm_head``: per-token log-probs of the
+  label tokens, in tiles, through the model's own head) for the policy and, with the adapter disabled (LoRA) or on
+  its own reference copy, for the reference; it sums them per sequence. nd_parallel's chunked loss would take that
+  call over (it runs the head itself), so it is turned off for this trainer: TRL's fused head already never holds
+  the full logits. Under FSDP2 the head's weight is the all-gathered one inside the root group's forward; under TP
+  TRL gathers the vocabulary-split head (``full_tensor``) and the gradient flows back to this rank's shard.
+- **Loss.** Its loss is the mean over this rank's pairs of a per-pair function (sigmoid, hinge, IPO, ...).
+  nd_parallel sums the data-parallel gradients (they are never averaged), so each rank's loss is rescaled to its
+  share of the mean over the global batch's pairs, ``local_mean * local_pairs / global_pairs``, and the reported
+  value is the sum of the shares over the dp ranks (``global_value_local_grad``): the number one process gets on
+  the concatenated batch, with its gradients. tp (and ep) peers hold the same pairs.
+- **Metrics.** Rewards, log-probs and margins go through ``accelerator.gather`` / ``gather_for_metrics``, which
+  nd_parallel gathers over the dp ranks only: means over the global batch, as in one process.
+
+Not handled (refused in ``check_dpo_args`` before any collective, with the fix): pipeline and context parallelism
+(the per-sequence sums need every token of the sequence on one rank and a per-token output from the last stage),
+loss types that mix pairs across the batch or average tokens (``aot``, ``aot_unpaired``, ``sft``) when dp splits
+the batch, ``precompute_ref_log_probs`` (it runs inside ``DPOTrainer.__init__``, before the layout exists),
+``sync_ref_model`` (it mixes sharded weights into the reference outside the layout), ``padding_free`` (one packed
+row per rank, not verified under a layout), and the MoE router's auxiliary loss under dp (a statistic of this
+rank's micro-batch).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from nd_parallel.distributed.loss import global_value_local_grad
+
+from .sft import aux_loss_enabled
+
+logger = logging.getLogger("nd_parallel")
+
+BATCH_MIXING_LOSSES = ("aot", "aot_unpaired", "sft")
+
+
+def is_dpo_trainer(trainer) -> bool:
+    return any(cls.__name__ == "DPOTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
+def _dp(config) -> int:
+    return config.dp_replicate_size * config.dp_shard_size
+
+
+def check_dpo_args(trainer, config) -> None:
+    """DPOTrainer options that cannot give one process's loss and gradients under ``config``: refused with the fix."""
+    args = trainer.args
+    where = config.describe()
+    splits_sequence = {k: v for k, v in (("pp_size", config.pp_size), ("cp_size", config.cp_size),
+                                         ("sp_size", getattr(config, "sp_size", 1))) if v > 1}
+    if splits_sequence:
+        what = ", ".join(f"{k}={v}" for k, v in splits_sequence.items())
+        raise NotImplementedError(
+            f"TRL DPOTrainer under {what}: it sums each sequence's per-token log-probs from the model's fused head, "
+            "which needs the whole sequence on one rank and a per-token output (a pipeline's stages and a sequence "
+            "shard give neither); use dp_shard_size / dp_replicate_size / tp_size / ep_size for DPO")
+    losses = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    mixing = [t for t in losses if t in BATCH_MIXING_LOSSES]
+    aux = aux_loss_enabled(trainer)
+    refusals = [
+        (bool(mixing) and _dp(config) > 1, f"loss_type={mixing!r}",
+         "it sorts or averages over this rank's batch, which the dp ranks split; use a per-pair loss (sigmoid, "
+         "hinge, ipo, ...) or one data-parallel rank"),
+        (bool(getattr(args, "precompute_ref_log_probs", False)), "precompute_ref_log_probs=True",
+         "it runs inside DPOTrainer.__init__, before the layout exists; leave it False (the reference forward "
+         "then runs each step, under the layout)"),
+        (bool(getattr(args, "sync_ref_model", False)), "sync_ref_model=True",
+         "it mixes the policy's (sharded) weights into the reference outside the layout; leave it False"),
+        (bool(getattr(args, "padding_free", False)), "padding_free=True",
+         "one packed row per rank is not verified under a layout; use padding_free=False"),
+        (aux and _dp(config) > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
+         "it is a load-balancing statistic of this rank's micro-batch; set DPOConfig(router_aux_loss_coef=0.0)"),
+    ]
+    for bad, what, fix in refusals:
+        if bad:
+            raise NotImplementedError(f"TRL DPOTrainer with {what} under {where}: {fix}")
+
+
+def turn_off_chunked_loss(trainer, config) -> None:
+    """TRL's fused head computes the log-probs in tiles itself; the chunked loss would take its call over."""
+    if is_dpo_trainer(trainer) and config.loss_chunk_size not in (0, None):
+        config.loss_chunk_size = 0
+        logger.info("chunked loss off under TRL's DPOTrainer (its fused LM head computes the log-probs in tiles)")
+
+
+def adopt_dpo(trainer, plugin) -> None:
+    """Route this DPOTrainer's loss through the global-pair mean (see the module docstring)."""
+    check_dpo_args(trainer, plugin.config)
+    trainer.compute_loss = compute_loss.__get__(trainer)
+
+
+def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """DPOTrainer.compute_loss, its loss the mean over the global batch's pairs (module docstring)."""
+    out = type(self).compute_loss(self, model, inputs, return_outputs=return_outputs)
+    loss, outputs = out if return_outputs else (out, None)
+    config = self.nd_parallel.config
+    if _dp(config) > 1:
+        group = self.nd_parallel.mesh["dp"].get_group()
+        pairs = torch.tensor(inputs["input_ids"].shape[0] // 2, dtype=torch.float32, device=loss.device)
+        total = pairs.clone()
+        dist.all_reduce(total, group=group)
+        loss = global_value_local_grad(loss * (pairs / total), group)
+    return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,73 @@
+"""Rank program (or one process) for the DPOTrainer rows: an unchanged TRL DPOTrainer script plus NDParallelCallback.
+
+Usage: dpo_worker.py OUT_DIR SPEC_JSON   (under torchrun; or plain python for the one-process references)
+SPEC_JSON: {"model": dir, "runs": [[name, {config kwargs} | null, {DPOConfig}, {extras}]]}
+A null config is the reference: DPOTrainer alone. extras: "lora": true passes peft_config (the reference policy is
+then the base with the adapter disabled); without it DPOTrainer builds its own frozen reference copy.
+Data: prompt / chosen / rejected strings of different lengths from the locally generated text; the tokenizer is a
+tiny BPE trained locally (nd_parallel.testing.tokenizer). Writes, from the main process, every logged loss, grad
+norm and reward metric, and the final full state.
+"""
+
+import json
+import random
+import sys
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from nd_parallel.testing.models import make_text
+from nd_parallel.testing.tokenizer import train_tiny_tokenizer
+
+METRICS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def dataset(n: int, seed: int) -> Dataset:
+    rng, lines = random.Random(seed), make_text(3 * n, seed=seed)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(n):
+        rows["prompt"].append(lines[3 * i][: rng.randint(8, 30)])
+        rows["chosen"].append(lines[3 * i + 1][: rng.randint(6, 30)])
+        rows["rejected"].append(lines[3 * i + 2][: rng.randint(6, 30)])
+    return Dataset.from_dict(rows)
+
+
+def _trainer(DPOConfig, DPOTrainer, spec, out_dir, name, config, dpo_args, extras, tok):
+    callbacks = []
+    if config is not None:
+        from nd_parallel import ParallelismConfig
+        from nd_parallel.plugins.trainer import NDParallelCallback
+
+        callbacks = [NDParallelCallback(ParallelismConfig(**config))]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"])
+    peft_config = None
+    if extras.get("lora"):
+        from peft_recipe import SEED, lora_config
+
+        torch.manual_seed(SEED)
+        peft_config = lora_config()
+    args = DPOConfig(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, dataset_num_proc=None, **dpo_args)
+    return DPOTrainer(model=model, args=args, train_dataset=dataset(32, seed=0), processing_class=tok,
+                      peft_config=peft_config, callbacks=callbacks)
+
+
+def main(out_dir: str, spec_path: str) -> None:
+    from trl import DPOConfig, DPOTrainer
+
+    spec = json.load(open(spec_path))
+    tok = train_tiny_tokenizer(make_text(200, seed=3))
+    for name, config, dpo_args, extras in spec["runs"]:
+        trainer = _trainer(DPOConfig, DPOTrainer, spec, out_dir, name, config, dpo_args, extras, tok)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        if trainer.accelerator.is_main_process:
+            torch.save({**{k: [h[k] for h in logs] for k in METRICS}, "state": state}, f"{out_dir}/{name}.pt")
+        trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
