@@ -13,9 +13,9 @@ What SFTTrainer does on its own, and why each part is turned here (adopt.py call
   (the same cross-entropy, computed on the last stage without the tiling).
 - **Metrics.** ``mean_token_accuracy`` and ``entropy`` are ratios of token sums; the sums are added over the
   ranks that hold different tokens (dp x cp) before dividing, so each is the value of the whole micro-batch.
-  Under PP the pipeline's last stage adds them up from its logits during the training step (``return_token_stats``);
-  1.9 under CP, whose training logits are a sequence shard, takes one extra forward-only pass (full logits). ``num_tokens`` is
-  added over the dp ranks (cp / tp / pp peers share a batch).
+  Under PP the pipeline's last stage adds them up from its logits during the training step
+  (``return_token_stats``); 1.9 under CP, whose training logits are a sequence shard, takes one extra forward-only
+  pass (full logits). ``num_tokens`` is added over the dp ranks (cp / tp / pp peers share a batch).
 - **Packing / padding_free.** The collator's ``cu_seq_lens_*`` / ``max_length_*`` / ``seq_idx`` describe the
   unsharded row; under CP and PP they are dropped and document boundaries come from ``position_ids`` (CP's
   attention and the pipeline's stages keep attention inside a document, as transformers does from the same

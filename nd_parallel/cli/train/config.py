@@ -289,13 +289,9 @@ def _layout(path, d: dict, environ, mapped: Mapped) -> tuple[ParallelismConfig |
         if key in PARALLEL_KEYS or key in {f.name for f in dataclasses.fields(ParallelismConfig)}:
             yaml_layout.setdefault(key, value)
     sharded = d.get("fsdp") or d.get("fsdp_config") or d.get("fsdp_version")
-    experts = yaml_layout.get("ep_size") not in (None, 1)
-    if (sharded or experts) and not any(k.startswith("dp_") for k in yaml_layout):
-        yaml_layout["dp_shard_size"] = -1  # Axolotl with FSDP on and no size: shard over the ranks left over
-        if experts and not sharded:  # Axolotl's EP alone: experts split over the world, the rest replicated (DDP)
-            mapped.notes.append("expert_parallel_size without dp_shard_size: the experts are split over "
-                                "expert_parallel_size ranks and the other weights are FSDP2-sharded over the data-"
-                                "parallel ranks (dp_shard_size: -1, where Axolotl replicates them): the same training")
+    if (sharded or (yaml_layout.get("ep_size") or 1) != 1) and not any(k.startswith("dp_") for k in yaml_layout):
+        yaml_layout["dp_shard_size"] = -1  # FSDP (or Axolotl's EP alone) and no size: shard over the ranks left over
+        mapped.notes += [] if sharded else [equivalents.EP_ALONE]
     refused = [f"{k}: {why}" for k, why in refused]
     try:  # One precedence rule (nd_parallel/config): YAML overrides the PARALLELISM_CONFIG_* variables.
         layout = ParallelismConfig.merge(ParallelismConfig.env_overrides(environ), yaml_layout, source=str(path))
@@ -328,10 +324,7 @@ def _types(d: dict) -> list[str]:
             re.compile(str(pattern))
         except re.error as err:
             out.append(f"unfrozen_parameters: {pattern!r} is not a regular expression ({err}); fix it")
-    problem = template_problem(d.get("chat_template"))
-    if problem:
-        out.append(problem)
-    return out
+    return out + [p for p in [template_problem(d.get("chat_template"))] if p]
 
 
 def _mapped(data: dict, plugin_keys: dict) -> Mapped:

@@ -270,6 +270,11 @@ def _installed_plugin_keys(name: str) -> list[str] | None:
         return None
 
 
+EP_ALONE = ("expert_parallel_size without dp_shard_size: the experts are split over expert_parallel_size ranks and "
+            "the other weights are FSDP2-sharded over the data-parallel ranks (dp_shard_size: -1, where Axolotl "
+            "replicates them): the same training")
+
+
 def plugins(d: dict, keys: dict[str, str]) -> Mapped:
     """What the plugin keys set in `d` do here: expert_parallel_size -> ep_size (where nd_parallel has it);
     kernel switches accepted with one line each."""
