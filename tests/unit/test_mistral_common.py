@@ -177,6 +177,21 @@ def test_a_folder_without_the_tokenizer_file_stops_before_any_rank(models, tmp_p
     assert "point tokenizer_config at the folder that holds it" in str(err.value)
 
 
+def test_sentencepiece_files_are_found_and_need_their_package(tmp_path):
+    """tokenizer.model.v<N> (older Mistral checkpoints): the newest is chosen, tekken.json wins over it; reading
+    it needs the sentencepiece package (named in the error where it is missing)."""
+    import importlib.util
+
+    for name in ("tokenizer.model.v3", "tokenizer.model.v7", "tokenizer.model"):
+        (tmp_path / name).write_bytes(b"")
+    assert mistral.tokenizer_file(tmp_path) == tmp_path / "tokenizer.model.v7"
+    if importlib.util.find_spec("sentencepiece") is None:
+        with pytest.raises(ConfigError, match="pip install sentencepiece"):
+            mistral.load_tokenizer(tmp_path)
+    (tmp_path / "tekken.json").write_text("{}")
+    assert mistral.tokenizer_file(tmp_path) == tmp_path / "tekken.json"
+
+
 def test_without_the_key_the_hf_tokenizer_stays_even_with_a_tekken_json(models, tmp_path):
     """transformers picks mistral-common for a Mistral folder with tekken.json once the package is installed;
     without the key nd-parallel train keeps reading the folder's Hugging Face tokenizer (and its template)."""

@@ -80,6 +80,9 @@ def load_tokenizer(folder: str | Path, *, mode: str = "finetuning"):
                           "tokenizer.model.v<N>); copy the checkpoint's tekken.json into it, point tokenizer_config "
                           "at the folder that holds it, or drop the key (Axolotl also turns it on for names with "
                           f"'magistral': set {KEY}: false) to use the folder's Hugging Face tokenizer")
+    if path.name != "tekken.json" and importlib.util.find_spec("sentencepiece") is None:
+        raise ConfigError(f"{KEY}: {path} is a sentencepiece tokenizer, which mistral-common reads with the "
+                          "sentencepiece package; pip install sentencepiece (or mistral-common[sentencepiece])")
     from transformers.tokenization_mistral_common import MistralCommonBackend
 
     # fine-tuning mode, as Axolotl: each assistant turn ends with </s>, and a conversation must end with one
