@@ -182,9 +182,9 @@ def test_sentencepiece_files_are_found_and_need_their_package(tmp_path):
     it needs the sentencepiece package (named in the error where it is missing)."""
     import importlib.util
 
-    for name in ("tokenizer.model.v3", "tokenizer.model.v7", "tokenizer.model"):
+    for name in ("tokenizer.model.v3", "tokenizer.model.v11", "tokenizer.model"):
         (tmp_path / name).write_bytes(b"")
-    assert mistral.tokenizer_file(tmp_path) == tmp_path / "tokenizer.model.v7"
+    assert mistral.tokenizer_file(tmp_path) == tmp_path / "tokenizer.model.v11"
     if importlib.util.find_spec("sentencepiece") is None:
         with pytest.raises(ConfigError, match="pip install sentencepiece"):
             mistral.load_tokenizer(tmp_path)

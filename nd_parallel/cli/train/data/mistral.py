@@ -64,11 +64,12 @@ def config_refusals(d: dict) -> list[str]:
 
 
 def tokenizer_file(folder: Path) -> Path | None:
-    """tekken.json, else the newest tokenizer.model.v<N> (mistral-common's own preference), else None."""
+    """tekken.json (mistral-common's preference), else the newest tokenizer.model.v<N> by version number (v11 after
+    v3, where mistral-common's sort by name would take v3), else None."""
     if (folder / "tekken.json").is_file():
         return folder / "tekken.json"
-    found = sorted(p for p in folder.glob("tokenizer.model.v*") if _SPM.match(p.name) and p.is_file())
-    return found[-1] if found else None
+    found = [p for p in folder.glob("tokenizer.model.v*") if _SPM.match(p.name) and p.is_file()]
+    return max(found, key=lambda p: int(re.search(r"\d+", p.name.rsplit(".", 1)[1]).group())) if found else None
 
 
 def load_tokenizer(folder: str | Path, *, mode: str = "finetuning"):
