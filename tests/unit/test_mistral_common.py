@@ -166,6 +166,24 @@ def test_prepare_and_the_ranks_reload_the_mistral_common_tokenizer(models, tmp_p
     assert [list(r) for r in train["input_ids"]] == [ids for ids, _ in _tokenize(models["v7"], RECORDS)[1]]
 
 
+def test_reasoning_chunks_are_rendered_and_trained_with_the_answer(models, tmp_path):
+    """Magistral's dataset format (content chunks, {type: thinking}), read from a file: mistral-common renders the
+    reasoning between [THINK] and [/THINK], trained with the answer. (Axolotl 0.19 joins a list content's text
+    parts into one string first, which drops the thinking chunk: it trains the answer alone.)"""
+    record = {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": LINES[0]}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": LINES[1]},
+                                          {"type": "text", "text": LINES[2]}]}]}
+    data = tmp_path / "think.jsonl"
+    data.write_text((json.dumps(record) + "\n") * 2)
+    train, _, tokenizer = load_prepared(prepare(_cfg(models["v13"], data), tmp_path / "work").path)
+    ids, labels = train[0]["input_ids"], train[0]["labels"]
+    assert tokenizer.decode(ids, skip_special_tokens=False) == \
+        f"<s>[SYSTEM_PROMPT]be brief[/SYSTEM_PROMPT][INST]{LINES[0]}[/INST][THINK]{LINES[1]}[/THINK]{LINES[2]}</s>"
+    assert _trained_text(tokenizer, ids, labels) == f"[THINK]{LINES[1]}[/THINK]{LINES[2]}</s>"
+
+
 def test_a_folder_without_the_tokenizer_file_stops_before_any_rank(models, tmp_path):
     bare = tmp_path / "bare"
     save_tiny_model("mistral", bare, seed=1)
