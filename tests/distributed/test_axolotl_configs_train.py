@@ -19,15 +19,16 @@ import pytest
 import torch
 
 from nd_parallel.testing.models import make_text, save_tiny_model
+from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 17 of the 28 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 18 of the 29 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
-           "qwen2_instruction_styles", "qwen3_moe_qlora_experts"]
+           "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -57,6 +58,11 @@ def _write_workspace(root: Path) -> None:
     config = json.loads((root / "models" / "lfm2" / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (root / "models" / "lfm2" / "tokenizer_config.json").write_text(json.dumps(config))
+    # mistral_common_chat: a Mistral checkpoint that ships mistral-common's tekken.json (no HF tokenizer files)
+    (root / "models" / "mistral_tekken").mkdir(parents=True)
+    vocab = write_tiny_tekken(root / "models" / "mistral_tekken" / "tekken.json", lines)
+    save_tiny_model("mistral", root / "models" / "mistral_tekken", seed=1, vocab_size=vocab,
+                    max_position_embeddings=512)
     data = root / "data"
     data.mkdir()
     (data / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:120]))
@@ -127,3 +133,11 @@ def test_lora_on_expert_tensors_trains(runs):
     config = json.loads((out / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     assert config["use_rslora"] is True
+
+
+def test_mistral_common_run_keeps_its_tokenizer(runs):
+    """tokenizer_use_mistral_common: the ranks read the prepared mistral-common tokenizer and the saved model
+    carries its tekken.json (what AutoTokenizer reads back with mistral-common)."""
+    root, jobs = runs
+    out = Path(jobs["mistral_common_chat"].train.output_dir)
+    assert (out / "tekken.json").read_bytes() == (root / "models" / "mistral_tekken" / "tekken.json").read_bytes()

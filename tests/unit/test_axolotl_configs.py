@@ -225,6 +225,7 @@ float16: true
 qat: {weight_dtype: int4}
 processor_type: AutoProcessor
 tokenizer_use_mistral_common: true
+chat_template: chatml
 """)
     with pytest.raises(ConfigError) as err:
         load_train_config(path, environ={})
@@ -233,7 +234,8 @@ tokenizer_use_mistral_common: true
                    "set gradient_accumulation_steps: 4", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
                    "float16=True: float16: true loads and trains the weights in fp16", "qat=", "train unquantized",
-                   "processor_type='AutoProcessor': multimodal", "tokenizer_use_mistral_common=True: mistral-common"):
+                   "processor_type='AutoProcessor': multimodal",
+                   "chat_template='chatml' with tokenizer_use_mistral_common: mistral-common renders"):
         assert needle in message, (needle, message)
     assert "8 setting(s) cannot be used" in message, message
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
+from .data import mistral
+
 # transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").
 EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
@@ -56,6 +58,9 @@ class AxolotlExtras:
     early_stopping_patience: int | None = None
     """Stop after this many evaluations without a lower eval loss, then reload the best checkpoint's model
     (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
+    tokenizer_use_mistral_common: bool = False
+    """Tokenize with the checkpoint's mistral-common tokenizer (tekken.json / tokenizer.model.v<N>), which renders
+    chat_template conversations itself (data/mistral.py). Axolotl turns it on for names with "magistral"."""
 
 
 def extra_refusals(d: dict) -> list[str]:
@@ -63,9 +68,10 @@ def extra_refusals(d: dict) -> list[str]:
     out = []
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
-                "lr_quadratic_warmup"):
+                "lr_quadratic_warmup", "tokenizer_use_mistral_common"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
+    out += mistral.config_refusals(d) if d.get("tokenizer_use_mistral_common") in (None, True) else []
     if d.pop("bfloat16", None) is True:  # Axolotl: bf16 or bfloat16 -> bf16 weights and autocast, i.e. bf16: true
         if d.get("bf16") is False:
             out.append("bfloat16=True with bf16=False: keep one (bfloat16: true means bf16: true)")

@@ -75,9 +75,6 @@ REFUSED = {
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
-    "tokenizer_use_mistral_common": "mistral-common's tokenizer (tekken.json from the hub) is not supported: drop "
-                                    "it; the checkpoint's Hugging Face tokenizer is used (chat_template: "
-                                    "mistral_v7_tekken or tokenizer_default)",
     "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
            "(adapter: lora, or full fine-tuning) and quantize afterwards",
     "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
+from . import mistral
 from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
 from .packing import pack_fn
@@ -50,16 +51,23 @@ def _fingerprint(cfg, tokenizer) -> str:
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication")
-    state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys},
-             "tokenizer": tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer),
-             "template": tokenizer.chat_template, "added": {str(k): v for k, v in tokenizer.get_added_vocab().items()}}
+    state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
+    if mistral.is_mistral(tokenizer):  # its file is the whole tokenizer (no template, no added tokens)
+        state["tokenizer"] = "mistral-common " + mistral.fingerprint(tokenizer)
+    else:
+        state |= {"tokenizer": tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else repr(tokenizer),
+                  "template": tokenizer.chat_template,
+                  "added": {str(k): v for k, v in tokenizer.get_added_vocab().items()}}
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
     raw, where = load_source(spec, cache)
-    fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
-                     eot_tokens=cfg.eot_tokens)
+    if spec.type == "chat_template" and mistral.is_mistral(tokenizer):  # mistral-common renders the conversation
+        fn = mistral.chat_fn(spec, tokenizer, where, train_on_inputs=cfg.train_on_inputs)
+    else:
+        fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
+                         eot_tokens=cfg.eot_tokens)
     ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
                  desc=f"tokenizing {spec.path}")
     if spec.type == "pretraining":
@@ -148,7 +156,9 @@ def load_prepared(path: str):
     root = Path(path)
     train = datasets.load_from_disk(str(root / "train"))
     evals = datasets.load_from_disk(str(root / "eval")) if (root / "eval").is_dir() else None
-    return train, evals, AutoTokenizer.from_pretrained(str(root / "tokenizer"))
+    if mistral.saved(root / "tokenizer"):
+        return train, evals, mistral.load_tokenizer(root / "tokenizer")[0]
+    return train, evals, AutoTokenizer.from_pretrained(str(root / "tokenizer"), mistral_format=False)
 
 
 def build_samples(base_model: str, paths: list, sequence_len: int) -> tuple[list[dict], str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
+from . import mistral
 from .templates import resolve_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -33,11 +34,20 @@ def check_sequence_len(cfg) -> None:
 def load_tokenizer(cfg):
     """(tokenizer, how the text is tokenized)."""
     source = cfg.tokenizer_config or cfg.base_model
+    if cfg.tokenizer_use_mistral_common:  # no template, special tokens or added tokens (refused with the key)
+        tokenizer, how = mistral.load_tokenizer(source)
+        _check_vocab(cfg, tokenizer, source)
+        if cfg.eot_tokens:  # Axolotl's MistralStrategy looks for </s> only
+            how += f"; eot_tokens {cfg.eot_tokens} not read: </s> ends each assistant turn (as in Axolotl)"
+        return tokenizer, how
     if any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
         from transformers import AutoTokenizer
 
         extra = {} if cfg.trust_remote_code is None else {"trust_remote_code": cfg.trust_remote_code}
-        tokenizer, how = AutoTokenizer.from_pretrained(source, **extra), f"tokenizer of {source}"
+        # mistral_format=False: transformers would pick mistral-common's tokenizer for a folder with a tekken.json
+        # whenever that package is installed; without tokenizer_use_mistral_common the HF tokenizer is the one read
+        tokenizer = AutoTokenizer.from_pretrained(source, mistral_format=False, **extra)
+        how = f"tokenizer of {source}"
     else:
         tokenizer, how = byte_tokenizer(), f"byte-level ids: no tokenizer files in {source}"
     template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
@@ -49,12 +59,17 @@ def load_tokenizer(cfg):
         tokenizer.add_tokens(list(cfg.tokens))
     if tokenizer.pad_token is None:  # Axolotl's habit too: padding is never trained on, so EOS may stand in
         tokenizer.pad_token = tokenizer.eos_token
+    if not (cfg.special_tokens or cfg.tokens):
+        _check_vocab(cfg, tokenizer, source)
+    return tokenizer, how
+
+
+def _check_vocab(cfg, tokenizer, source) -> None:
     vocab = model_config(cfg).get("vocab_size")
     top = max(tokenizer.get_vocab().values())
-    if vocab is not None and top >= vocab and not (cfg.special_tokens or cfg.tokens):
+    if vocab is not None and top >= vocab:
         raise ConfigError(f"the tokenizer of {source} has ids up to {top}, beyond the model's vocab_size={vocab}; "
                           "use the checkpoint's own tokenizer (tokenizer_config)")
-    return tokenizer, how
 
 
 def byte_tokenizer():
