@@ -23,12 +23,12 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 18 of the 29 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 19 of the 30 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
-           "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat"]
+           "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat", "llama3_dpo_lora_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -84,6 +84,10 @@ def _write_workspace(root: Path) -> None:
         msgs.append({"messages": [{"role": r, "content": c} for r, c in turns[1:]]})  # alternating, no system
     (data / "chat_sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in share))
     (data / "chat_messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in msgs))
+    pairs = [{"conversation": [{"from": "human", "text": lines[i]}], "preferred": {"from": "bot", "text": lines[i + 1]},
+              "dispreferred": lines[i + 2] if i % 2 else [{"from": "bot", "text": lines[i + 2]}]}
+             for i in range(0, 120, 3)]
+    (data / "preference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs + pairs[:2]))  # 2 duplicates
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
 
@@ -141,3 +145,15 @@ def test_mistral_common_run_keeps_its_tokenizer(runs):
     root, jobs = runs
     out = Path(jobs["mistral_common_chat"].train.output_dir)
     assert (out / "tekken.json").read_bytes() == (root / "models" / "mistral_tekken" / "tekken.json").read_bytes()
+
+
+def test_dpo_run_starts_at_the_reference(runs):
+    """rl: dpo: LoRA's B starts at zero, so the policy equals the reference (the adapter disabled) at step 1 and
+    DPO's sigmoid loss is exactly ln 2; the held-out pairs are evaluated."""
+    import math
+
+    root, jobs = runs
+    out = Path(jobs["llama3_dpo_lora_fsdp2"].train.output_dir)
+    losses = [row["loss"] for row in logged(out)]
+    assert abs(losses[0] - math.log(2)) < 1e-6 and losses[1] != losses[0], losses
+    assert (out / "eval_log.jsonl").is_file()

@@ -293,11 +293,59 @@ def test_jamba_template(tmp_path, data):
 def test_every_unknown_key_of_a_datasets_entry_is_in_the_one_message(tmp_path):
     path = tmp_path / "c.yml"
     path.write_text("base_model: ./m\ndatasets:\n  - path: ./d.jsonl\n    type: chat_template\n"
-                    "    field_chosen: chosen\n    field_rejected: rejected\nrl: dpo\n")
+                    "    field_prompt: prompt\n    field_reward: reward\nrl: kto\n")
     with pytest.raises(ConfigError) as err:
         load_train_config(path, environ={})
     message = str(err.value)
-    for needle in ("unknown key 'field_chosen' in datasets[0]", "unknown key 'field_rejected' in datasets[0]",
-                   "rl='dpo': nd-parallel train does supervised fine-tuning only"):
+    for needle in ("unknown key 'field_prompt' in datasets[0]", "unknown key 'field_reward' in datasets[0]",
+                   "rl='kto': nd-parallel train runs rl: dpo and rl: ipo"):
         assert needle in message, (needle, message)
     assert "3 setting(s) cannot be used" in message, message
+
+
+def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
+    cfg = load_train_config(_write(tmp_path, "rl: dpo\nrl_beta: 0.05\n"), environ={})
+    assert (cfg.rl, cfg.rl_beta, cfg.datasets[0].field_chosen, cfg.datasets[0].field_rejected) == (
+        "dpo", 0.05, "chosen", "rejected")
+    assert load_train_config(_write(tmp_path, "rl: ipo\n"), environ={}).rl == "ipo"
+    for extra, needle in [
+            ("rl: kto\n", "rl='kto': nd-parallel train runs rl: dpo and rl: ipo"),
+            ("rl: dpo\nrl_beta: -1\n", "rl_beta=-1; write a number > 0"),
+            ("rl: dpo\nsample_packing: true\n", "sample_packing=True with rl: dpo: DPO's pairs are not packed"),
+            ("rl: dpo\npipeline_parallel_size: 2\n", "rl: dpo with pipeline_parallel_size: 2: DPO sums each "
+                                                     "sequence's log-probs"),
+            ("rl: dpo\ncontext_parallel_size: 2\n", "context_parallel_size: 2")]:
+        with pytest.raises(ConfigError, match=None) as err:
+            load_train_config(_write(tmp_path, extra), environ={})
+        assert needle in str(err.value), (needle, str(err.value))
+    path = tmp_path / "t.yml"
+    path.write_text("base_model: ./m\nrl: dpo\ndatasets:\n  - path: ./d.jsonl\n    type: chatml.ultra\n")
+    with pytest.raises(ConfigError, match=r"datasets\[0\].type='chatml.ultra' with rl: dpo: .*chat_template.default"):
+        load_train_config(path, environ={})
+
+
+def test_preference_records_render_as_axolotl_renders_them(tmp_path):
+    """chat_template.default pairs: the prompt with the generation prompt, each answer from its text on (keeping
+    the template's end of turn), answers given as a string, a turn or a conversation; bad records name the fix."""
+    from nd_parallel.cli.train.data.preference import preference_fn
+    from nd_parallel.cli.train.data.sources import DatasetSpec
+    from nd_parallel.testing.models import make_text
+    from nd_parallel.testing.tokenizer import train_tiny_tokenizer
+
+    tok = train_tiny_tokenizer(make_text(50, seed=1))
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    spec = DatasetSpec(path="x", type="chat_template", field_messages="conv", field_chosen="good",
+                       field_rejected="bad", message_property_mappings={"role": "from", "content": "value"},
+                       roles={"user": ["human"], "assistant": ["gpt"]})
+    batch = {"conv": [[{"from": "human", "value": "hi there"}], "just a string"],
+             "good": [{"from": "gpt", "value": "hello"}, "fine "],
+             "bad": [[{"from": "human", "value": "x"}, {"from": "gpt", "value": "go away"}], "no"]}
+    out = preference_fn(spec, tok, "d.jsonl")(batch, [0, 1])
+    assert out["prompt"] == ["<|user|>hi there<|end|><|assistant|>", "<|user|>just a string<|end|><|assistant|>"]
+    assert out["chosen"] == ["hello<|end|>", "fine <|end|>"] and out["rejected"] == ["go away<|end|>", "no<|end|>"]
+    with pytest.raises(ConfigError, match=r"record 0: no 'good' field .*set field_chosen / field_rejected"):
+        preference_fn(spec, tok, "d.jsonl")({"conv": [[{"from": "human", "value": "a"}]], "bad": ["b"]}, [0])
+    with pytest.raises(ConfigError, match=r"good's role 'robot' is not one the chat template knows"):
+        preference_fn(spec, tok, "d.jsonl")({"conv": ["a"], "good": [{"from": "robot", "value": "b"}],
+                                              "bad": ["c"]}, [0])

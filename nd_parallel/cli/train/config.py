@@ -23,11 +23,12 @@ from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
 from .extras import AxolotlExtras, experts_note, extra_refusals
 from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
+from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
 
 
 @dataclass(kw_only=True)
-class TrainConfig(AxolotlExtras):
+class TrainConfig(PreferenceOptions, AxolotlExtras):
     """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
 
     # --- model
@@ -370,7 +371,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         refused.append(f"layout: auto chooses the layout, but the file also sets "
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
-    refused += layout_refused
+    refused += layout_refused + rl_refusals(d, layout)
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
     specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}

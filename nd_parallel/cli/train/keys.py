@@ -48,7 +48,6 @@ REFUSED = {
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
-    "rl": "nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
     "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "

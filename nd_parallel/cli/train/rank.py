@@ -139,6 +139,7 @@ def _run_train(job: TrainJob) -> dict:
 
     from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, user_callbacks, watchdog
     from .data import Collator, load_prepared
+    from .preference import dpo_trainer
 
     t = job.train
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -147,10 +148,13 @@ def _run_train(job: TrainJob) -> dict:
     layout = NDParallelCallback(job.layout)  # before the Trainer builds its Accelerator
     model = _model(t, tokenizer)
     pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
-    trainer = Trainer(model=model, args=TrainingArguments(**job.trainer_args), train_dataset=train_ds,
-                      eval_dataset=eval_ds, data_collator=Collator(tokenizer.pad_token_id, pad_to),
-                      processing_class=tokenizer,
-                      callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
+    parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+                 callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
+    if t.rl:  # preference pairs: TRL's DPOTrainer tokenizes and collates them itself (preference.py)
+        trainer = dpo_trainer(t, job.trainer_args, **parts)
+    else:
+        trainer = Trainer(args=TrainingArguments(**job.trainer_args),
+                          data_collator=Collator(tokenizer.pad_token_id, pad_to), **parts)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         from .schedules import use_quadratic_warmup
 

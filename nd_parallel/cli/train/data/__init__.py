@@ -24,6 +24,7 @@ from . import mistral
 from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
 from .packing import pack_fn
+from .preference import preference_fn
 from .sources import DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer
 
@@ -50,7 +51,7 @@ def _fingerprint(cfg, tokenizer) -> str:
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
-            "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication")
+            "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
     if mistral.is_mistral(tokenizer):  # its file is the whole tokenizer (no template, no added tokens)
         state["tokenizer"] = "mistral-common " + mistral.fingerprint(tokenizer)
@@ -84,11 +85,19 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
     return kept, f"{where}: {len(raw)} records -> {len(kept)} samples ({spec.type})"
 
 
+def _pairs(spec: DatasetSpec, tokenizer, cfg, cache: str):
+    """rl: dpo: the entry's records as prompt / chosen / rejected strings (preference.py); DPOTrainer tokenizes."""
+    raw, where = load_source(spec, cache)
+    ds = raw.map(preference_fn(spec, tokenizer, where), batched=True, with_indices=True,
+                 remove_columns=raw.column_names, desc=f"rendering pairs of {spec.path}")
+    return ds, f"{where}: {len(raw)} records -> {len(ds)} preference pairs"
+
+
 def _deduplicated(ds):
     """(ds without the samples equal to an earlier one, how many were dropped): Axolotl's exact deduplication
     hashes each tokenized row; here a row is its input_ids and labels (nothing else is stored before packing)."""
     seen, keep = set(), []
-    for i, row in enumerate(zip(ds["input_ids"], ds["labels"])):
+    for i, row in enumerate(zip(*(ds[c] for c in ds.column_names))):  # rl: dpo's rows are its three strings
         key = hashlib.sha256(json.dumps(row).encode()).digest()
         if key not in seen:
             seen.add(key)
@@ -122,7 +131,7 @@ def prepare(cfg, workdir: str | os.PathLike) -> Prepared:
         return Prepared(str(out), how, info["sources"], info["train_rows"], info["eval_rows"], cached=True)
     parts, lines = [], []
     for spec in cfg.datasets:
-        ds, line = _tokenized(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
+        ds, line = (_pairs if cfg.rl else _tokenized)(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
         parts.append(ds)
         lines.append(line)
     # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)

@@ -75,6 +75,10 @@ class DatasetSpec:
     template under template_thinking_key, and trained with the turn's content where the template renders it."""
     template_thinking_key: str = "reasoning_content"
     """chat_template: the key the template reads the reasoning from (gpt-oss's reads "thinking")."""
+    field_chosen: str = "chosen"
+    """rl: dpo: the column holding the preferred answer (data/preference.py)."""
+    field_rejected: str = "rejected"
+    """rl: dpo: the column holding the other answer."""
     base_dir: str = ""
     """Directory relative paths are resolved against (the working directory, as in Axolotl); not a YAML key."""
 
