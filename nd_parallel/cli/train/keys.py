@@ -78,8 +78,6 @@ REFUSED = {
     "tokenizer_use_mistral_common": "mistral-common's tokenizer (tekken.json from the hub) is not supported: drop "
                                     "it; the checkpoint's Hugging Face tokenizer is used (chat_template: "
                                     "mistral_v7_tekken or tokenizer_default)",
-    "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
-           "(adapter: lora, or full fine-tuning) and quantize afterwards",
     "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
                                  "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
     "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "
