@@ -39,6 +39,8 @@ import torch.nn as nn
 
 from nd_parallel.config import ConfigError
 
+from .moe import expert_modules
+
 logger = logging.getLogger(__name__)
 
 _ALIASES = {"int4": "int4", "int8": "int8", "float8_e4m3fn": "float8", "fp8": "float8", "float8": "float8",
@@ -235,11 +237,10 @@ def prepare_qat(model: nn.Module, options: QATOptions | dict | None = None, **kw
     targets = _targets(model, options)
     for name, module in targets:
         _replace(model, name, _fake(module, options))
-    stacked = [n for n, p in model.named_parameters() if p.dim() == 3]
+    stacked = [f"{e.name}.{p}" for e in expert_modules(model) for p in e.stacked]
     if stacked:
-        logger.warning("QAT: %d stacked (3-D) expert tensors, e.g. %s, are not nn.Linear and train unquantized",
+        logger.warning("QAT: %d stacked MoE expert tensors, e.g. %s, are not nn.Linear and train unquantized",
                        len(stacked), stacked[0])
-    model._nd_qat_options = options  # what set_fake_quant and check_qat_layout read
     if options.fake_quant_after_n_steps:
         set_fake_quant(model, False)
     return [name for name, _ in targets]
@@ -271,7 +272,6 @@ def convert_qat(model: nn.Module) -> int:
             plain = nn.Embedding(fake.num_embeddings, fake.embedding_dim, fake.padding_idx, device="meta")
         plain.weight = fake.weight
         _replace(model, name, plain)
-    model.__dict__.pop("_nd_qat_options", None)
     return len(swapped)
 
 

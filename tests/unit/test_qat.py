@@ -131,3 +131,16 @@ def test_train_config_stage(tmp_path):
     path.write_text(base + "qat: {weight_dtype: int4}\nload_in_4bit: true\nadapter: qlora\n")
     with pytest.raises(ConfigError, match="quantized by bitsandbytes already"):
         load_train_config(path, environ={})
+
+
+def test_stacked_moe_experts_stay_unquantized_with_one_warning(caplog):
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32))
+    with caplog.at_level("WARNING", logger="nd_parallel.models.qat"):
+        swapped = prepare_qat(model, {"weight_dtype": "int4"})
+    assert not any(".experts" in name for name in swapped) and "lm_head" in swapped
+    assert "4 stacked MoE expert tensors, e.g. model.layers.0.mlp.experts.gate_up_proj" in caplog.text
