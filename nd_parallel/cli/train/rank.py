@@ -225,6 +225,7 @@ def run_rank(job: Job) -> dict | None:
     if job.quiet:  # the report is the table: hide library warnings meant for developers
         warnings.filterwarnings("ignore")
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA extensions, unloadable on CPU ranks
     mine = _run_demo(job) if isinstance(job, DemoJob) else _run_train(job)
     ranks = [mine]
     if dist.is_initialized():
