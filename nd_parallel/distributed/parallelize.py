@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from nd_parallel.config import ParallelismConfig
 from nd_parallel.models import peft
 from nd_parallel.models.loading import LoadReport, lazy_checkpoint, load_local_shards, reads_whole_model
+from nd_parallel.models.qat import check_qat_layout
 from nd_parallel.models.quantized import accept_4bit_state, check_quantized, expose_8bit_scales
 
 from . import (
@@ -114,6 +115,7 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
         tensor_parallel.check_model(model, config)
     expert_parallel.check_model(model, config)
     router_loss.check_model(model, config)
+    check_qat_layout(model, config)
     if config.tiled_mlp:
         memory.check_tiled_mlp(model)
 

@@ -222,7 +222,7 @@ lora_target_parameters: [experts.down_proj]
 bfloat16: true
 bf16: false
 float16: true
-qat: {weight_dtype: int4}
+qat: {activation_dtype: nvfp4, weight_dtype: nvfp4, group_size: 32}
 processor_type: AutoProcessor
 tokenizer_use_mistral_common: true
 chat_template: chatml
@@ -233,8 +233,8 @@ chat_template: chatml
     for needle in ("batch_size=8 but micro_batch_size x gradient_accumulation_steps = 2 x 1",
                    "set gradient_accumulation_steps: 4", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
-                   "float16=True: float16: true loads and trains the weights in fp16", "qat=", "train unquantized",
-                   "processor_type='AutoProcessor': multimodal",
+                   "float16=True: float16: true loads and trains the weights in fp16", "qat: group_size=32 with nvfp4",
+                   "set group_size: 16", "processor_type='AutoProcessor': multimodal",
                    "chat_template='chatml' with tokenizer_use_mistral_common: mistral-common renders"):
         assert needle in message, (needle, message)
     assert "8 setting(s) cannot be used" in message, message

@@ -176,17 +176,17 @@ def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
 
 
 def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, data):
-    """Keys Axolotl's examples use that came after 0.19, streaming and RL: one message, each with its
-    reason (not the generic unknown-key list); RL is not sent to the plugin, which is checked with SFT only."""
+    """Keys Axolotl's examples use that came after 0.19, streaming and RL trainers other than DPO: one message, each
+    with its reason (not the generic unknown-key list)."""
     keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
-                llmcompressor={"recipe": {}}, streaming=True, rl="dpo")
+                llmcompressor={"recipe": {}}, streaming=True, rl="orpo")
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
     assert "6 setting(s) cannot be used" in message and "valid keys are" not in message, message
     for needle in ("pre-quantized checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
                    "llm-compressor recipes", "nothing is streamed",
-                   "not with RL or reward trainers: run this YAML with plain Axolotl"):
+                   "rl='orpo': nd-parallel train runs rl: dpo and rl: ipo"):
         assert needle in message, (needle, message)
 
 

@@ -112,9 +112,10 @@ def test_keys_that_change_training_are_refused_together(tmp_path, data):
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
-    assert "6 setting(s) cannot be used" in message, message
+    assert "7 setting(s) cannot be used" in message, message
     for needle in ("group_by_length=True", "load_in_4bit=True with adapter='lora'",
-                   "deepspeed and fsdp/fsdp_config are both set", "rl='dpo'", "set adapter: qlora",
+                   "deepspeed and fsdp/fsdp_config are both set", "sample_packing=True with rl: dpo",
+                   "datasets[0].type='alpaca' with rl: dpo", "set adapter: qlora",
                    "optimizer='lion_8bit': use one of adamw_torch", "fp16=True: fp16 needs"):
         assert needle in message, (needle, message)
 

@@ -146,3 +146,26 @@ def watchdog(t) -> list:
 
     out = [LossWatchdog(t.loss_watchdog_threshold, t.loss_watchdog_patience)] if t.loss_watchdog_threshold else []
     return out + ([EarlyStoppingCallback(t.early_stopping_patience)] if t.early_stopping_patience else [])
+
+
+class FakeQuantAfter(TrainerCallback):
+    """qat's fake_quant_after_n_steps: the fake quantizers off for the first `n` optimizer steps, on from then.
+    Set before every step from the step count (Axolotl switches only at steps 0 and n), so a run resumed on either
+    side of n is in the right state."""
+
+    def __init__(self, n: int):
+        self.n, self.on = n, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        from nd_parallel.models.qat import set_fake_quant
+
+        on = state.global_step >= self.n
+        layers = set_fake_quant(model, on)
+        if on != self.on and on and getattr(state, "is_world_process_zero", False):
+            print(f"[nd_parallel] qat: fake quantization on from step {state.global_step} ({layers} layers)", flush=True)
+        self.on = on
+
+
+def fake_quant_after(t) -> list:
+    n = (t.qat or {}).get("fake_quant_after_n_steps")
+    return [FakeQuantAfter(n)] if n else []

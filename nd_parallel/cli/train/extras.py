@@ -61,6 +61,9 @@ class AxolotlExtras:
     tokenizer_use_mistral_common: bool = False
     """Tokenize with the checkpoint's mistral-common tokenizer (tekken.json / tokenizer.model.v<N>), which renders
     chat_template conversations itself (data/mistral.py). Axolotl turns it on for names with "magistral"."""
+    qat: dict | None = None
+    """Quantization-aware training: Axolotl's {activation_dtype, weight_dtype, group_size, quantize_embedding,
+    fake_quant_after_n_steps}; the Linears fake-quantized after loading (nd_parallel/models/qat.py)."""
 
 
 def extra_refusals(d: dict) -> list[str]:
@@ -95,11 +98,31 @@ def extra_refusals(d: dict) -> list[str]:
                        "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
         elif d.get("adapter") not in ("lora", "qlora"):
             out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
-    out += _moe_quantization(d)
+    out += _moe_quantization(d) + _qat(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
     return out
+
+
+def _qat(d: dict) -> list[str]:
+    """``qat:`` checked as QATOptions reads it (pairs, group sizes); not on a bitsandbytes base, which is quantized
+    already (QAT fake-quantizes full-precision weights)."""
+    if d.get("qat") in (None, {}):
+        d.pop("qat", None)
+        return []
+    from nd_parallel.models.qat import QATOptions
+
+    try:
+        QATOptions.from_dict(d["qat"])
+    except ConfigError as err:
+        return [f"qat: {err}"]
+    if importlib.util.find_spec("torchao") is None:
+        return ["qat: torchao's fake quantizers are not installed: pip install 'nd_parallel[qat]' (torchao)"]
+    if d.get("load_in_4bit") or d.get("load_in_8bit"):
+        return ["qat with load_in_4bit / load_in_8bit: the base is quantized by bitsandbytes already, and QAT "
+                "fake-quantizes full-precision weights; drop one of them"]
+    return []
 
 
 def _schedule_and_saves(d: dict) -> list[str]:
@@ -266,6 +289,11 @@ def check_layout(t: AxolotlExtras, layout, path) -> None:
                           "expert tensors, which have no split for packed bitsandbytes blocks; use dp_shard_size "
                           "(FSDP2: the quantized experts replicated), context_parallel_size or "
                           "pipeline_parallel_size")
+    if t.qat and split.get("tp_size"):
+        raise ConfigError(f"{path}: qat with tp_size={split['tp_size']}: a row-wise TP shard sees a slice of each "
+                          "token's features, so per-token activation scales and MX/NVFP4 blocks would be computed on "
+                          "partial rows; use dp_shard_size (FSDP2 fake-quantizes the whole all-gathered weight), "
+                          "context_parallel_size or pipeline_parallel_size")
     if t.lora_target_parameters and split:
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "

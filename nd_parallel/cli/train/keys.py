@@ -74,8 +74,6 @@ REFUSED = {
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
-    "qat": "quantization-aware training (torchao fake-quantized layers) is not supported: train unquantized "
-           "(adapter: lora, or full fine-tuning) and quantize afterwards",
     "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
                                  "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
     "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "

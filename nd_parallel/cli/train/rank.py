@@ -56,6 +56,8 @@ def _model(t: TrainConfig, tokenizer):
         model.resize_token_embeddings(rows, mean_resizing=t.mean_resizing_embeddings)
     if t.liger:
         _apply_liger(model, t.liger)
+    if t.qat:  # after loading and resizing, before the adapter and the layout (Axolotl's order; models/qat.py)
+        _fake_quantize(model, t.qat)
     if t.adapter not in ("lora", "qlora"):
         if t.unfrozen_parameters:
             freeze_except(model, t.unfrozen_parameters)
@@ -113,6 +115,18 @@ def _quantization(t: TrainConfig) -> dict:
     return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, **settings), "device_map": device}
 
 
+def _fake_quantize(model, qat: dict) -> None:
+    """Axolotl's qat: the model's Linears fake-quantized (nd_parallel/models/qat.py), one line on rank 0."""
+    from nd_parallel.models.qat import COMBOS, QATOptions, prepare_qat
+
+    options = QATOptions.from_dict(qat)
+    layers = prepare_qat(model, options)
+    if os.environ.get("RANK", "0") == "0":
+        after, what = options.fake_quant_after_n_steps, COMBOS[options.activation_dtype, options.weight_dtype]
+        print(f"[nd_parallel] qat: {len(layers)} layers fake-quantized ({what})"
+              + (f", off until step {after}" if after else ""), flush=True)
+
+
 def _experts_quantized(t: TrainConfig):
     """Axolotl's quantize_moe_experts: the experts in load_in_4bit's format (bnb_config_kwargs' quant type and
     double quantization) or load_in_8bit's (models/quantized_experts.py)."""
@@ -137,7 +151,7 @@ def _run_train(job: TrainJob) -> dict:
     from nd_parallel.fault.resume import init_restarted_process_group
     from nd_parallel.plugins.trainer import NDParallelCallback
 
-    from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, user_callbacks, watchdog
+    from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, fake_quant_after, user_callbacks, watchdog
     from .data import Collator, load_prepared
     from .preference import dpo_trainer
 
@@ -149,7 +163,7 @@ def _run_train(job: TrainJob) -> dict:
     model = _model(t, tokenizer)
     pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
-                 callbacks=[layout, *watchdog(t), *user_callbacks(t.trainer_callbacks)])
+                 callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # preference pairs: TRL's DPOTrainer tokenizes and collates them itself (preference.py)
         trainer = dpo_trainer(t, job.trainer_args, **parts)
     else:
@@ -215,6 +229,7 @@ def run_rank(job: Job) -> dict | None:
     if job.quiet:  # the report is the table: hide library warnings meant for developers
         warnings.filterwarnings("ignore")
         logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA extensions, unloadable on CPU ranks
     mine = _run_demo(job) if isinstance(job, DemoJob) else _run_train(job)
     ranks = [mine]
     if dist.is_initialized():
