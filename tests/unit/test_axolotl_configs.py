@@ -216,6 +216,7 @@ def test_cosine_min_lr_ratio_is_axolotls_schedule():
 def test_extras_and_unsupported_features_are_refused_in_one_message(tmp_path):
     path = _write(tmp_path, """batch_size: 8
 micro_batch_size: 2
+gradient_accumulation_steps: 2
 lr_scheduler: linear
 cosine_min_lr_ratio: 0.2
 lora_target_parameters: [experts.down_proj]
@@ -230,8 +231,8 @@ chat_template: chatml
     with pytest.raises(ConfigError) as err:
         load_train_config(path, environ={})
     message = str(err.value)
-    for needle in ("batch_size=8 but micro_batch_size x gradient_accumulation_steps = 2 x 1",
-                   "set gradient_accumulation_steps: 4", "cosine_min_lr_ratio with lr_scheduler='linear'",
+    for needle in ("batch_size=8 with gradient_accumulation_steps=2: they disagree (micro_batch_size x "
+                   "gradient_accumulation_steps = 4); keep one", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
                    "float16=True: float16: true loads and trains the weights in fp16", "qat: group_size=32 with nvfp4",
                    "set group_size: 16", "processor_type='AutoProcessor': multimodal",
@@ -349,3 +350,17 @@ def test_preference_records_render_as_axolotl_renders_them(tmp_path):
     with pytest.raises(ConfigError, match=r"good's role 'robot' is not one the chat template knows"):
         preference_fn(spec, tok, "d.jsonl")({"conv": ["a"], "good": [{"from": "robot", "value": "b"}],
                                               "bad": ["c"]}, [0])
+
+
+def test_a_batch_size_alone_is_read_as_axolotl_reads_it(tmp_path):
+    """Axolotl 0.19 fills gradient_accumulation_steps: 1 before it reads batch_size, so batch_size alone does not
+    change training there: the same here, with one line naming the setting that would."""
+    cfg = load_train_config(_write(tmp_path, "batch_size: 8\nmicro_batch_size: 2\n"), environ={})
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps) == (2, 1)
+    assert any(n.startswith("batch_size=8: not used for training, as in Axolotl 0.19") and
+               n.endswith("set gradient_accumulation_steps: 4 for a batch of 8") for n in cfg.notes), cfg.notes
+    agreeing = load_train_config(_write(tmp_path, "batch_size: 4\nmicro_batch_size: 2\n"
+                                                  "gradient_accumulation_steps: 2\n"), environ={})
+    assert not any(n.startswith("batch_size") for n in agreeing.notes)
+    with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
+        load_train_config(_write(tmp_path, "batch_size: 0\n"), environ={})
