@@ -1,6 +1,7 @@
 """TRL DPOTrainer rows: an unchanged DPOTrainer with NDParallelCallback matches DPOTrainer in one process.
 
-One launch of 2 ranks runs FSDP2, DDP and TP rows, with a LoRA adapter (the reference policy is the base with the
+One launch of 2 ranks runs FSDP2, DDP, TP and CP rows (CP: the fused head's per-token outputs gathered back into
+the whole sequence, context_parallel/token_outputs.py), with a LoRA adapter (the reference policy is the base with the
 adapter disabled) and full fine-tuning (DPOTrainer's own frozen reference copy, prepared under the same layout).
 Same data, seed, gradient accumulation (2), sigmoid loss (beta 0.1) and linear schedule; the one-process
 DPOTrainer's per-device batch is the layout's global batch (pairs). Compared: every logged loss and grad norm
@@ -30,12 +31,14 @@ ROWS = {"fsdp2_lora": ({"dp_shard_size": 2}, {"lora": True}),
         "fsdp2_full": ({"dp_shard_size": 2}, {}),
         "ddp2_full": ({"dp_replicate_size": 2}, {}),
         "tp2_lora": ({"tp_size": 2}, {"lora": True}),
-        "tp2_full": ({"tp_size": 2}, {})}
+        "tp2_full": ({"tp_size": 2}, {}),
+        "cp2_lora": ({"cp_size": 2}, {"lora": True}),
+        "cp2_full": ({"cp_size": 2}, {})}
 WORLD = 2
 
 
 def _dp(config):
-    return WORLD // config.get("tp_size", 1)
+    return WORLD // (config.get("tp_size", 1) * config.get("cp_size", 1))
 
 
 def _args(per_rank):

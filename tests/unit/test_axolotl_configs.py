@@ -308,14 +308,13 @@ def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
     cfg = load_train_config(_write(tmp_path, "rl: dpo\nrl_beta: 0.05\n"), environ={})
     assert (cfg.rl, cfg.rl_beta, cfg.datasets[0].field_chosen, cfg.datasets[0].field_rejected) == (
         "dpo", 0.05, "chosen", "rejected")
-    assert load_train_config(_write(tmp_path, "rl: ipo\n"), environ={}).rl == "ipo"
+    assert load_train_config(_write(tmp_path, "rl: ipo\ncontext_parallel_size: 2\n"), environ={}).rl == "ipo"
     for extra, needle in [
             ("rl: kto\n", "rl='kto': nd-parallel train runs rl: dpo and rl: ipo"),
             ("rl: dpo\nrl_beta: -1\n", "rl_beta=-1; write a number > 0"),
             ("rl: dpo\nsample_packing: true\n", "sample_packing=True with rl: dpo: DPO's pairs are not packed"),
             ("rl: dpo\npipeline_parallel_size: 2\n", "rl: dpo with pipeline_parallel_size: 2: DPO sums each "
-                                                     "sequence's log-probs"),
-            ("rl: dpo\ncontext_parallel_size: 2\n", "context_parallel_size: 2")]:
+                                                     "sequence's per-token log-probs")]:
         with pytest.raises(ConfigError, match=None) as err:
             load_train_config(_write(tmp_path, extra), environ={})
         assert needle in str(err.value), (needle, str(err.value))
