@@ -20,8 +20,9 @@ logits, that output, its gradient and the logits' gradient are alive together (1
 entry in fp32, 14 in bf16: the held logits are bf16). The chunked loss (distributed/chunked_loss.py, the default)
 holds those buffers for one chunk of tokens only, and keeps from its forward to its backward the gradient of the
 hidden states (compute dtype) and the fp32 gradient of the head's weight, while the next chunk's head gradient
-is added to it (two copies of this rank's head at that moment, the chunk's in the compute dtype). Under TP with a vocabulary-split head the
-chunked loss is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
+is added to it (two copies of this rank's head at that moment, the chunk's in the compute dtype; on the probe's
+path the larger of two moments of a chunk, ``_probe_loss``). Under TP with a vocabulary-split head the chunked loss
+is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
 (``vocab_share``); HF's unchunked loss gathers the logits, so without chunking they stay whole.
 
 Mixture-of-experts layers (checked against a real block's saved tensors in tests/unit/test_planner_moe.py, and
