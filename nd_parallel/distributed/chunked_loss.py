@@ -180,14 +180,21 @@ def _probe_chunks(head, chunk, flat, targets, grad_hidden, params) -> tuple[torc
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk] = grads[0]
                 grads = grads[1:]
-            for i, g in enumerate(grads):  # summed over chunks in fp32, cast once at the end
-                if g is not None:
-                    grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
+            _accumulate(grad_params, grads)
             total += local_value(loss.detach())
-            del loss, grads  # the loop variable g still holds this chunk's head gradient into the next (see CHANGELOG)
+            del loss, grads  # this chunk's head gradient must not live into the next chunk's autograd.grad
     if params and not bool((targets != IGNORE_INDEX).any()):  # every chunk skipped: zeros, as the model's own loss
         grad_params = _unlabelled_gradients(head, flat, params)
     return total, grad_params
+
+
+def _accumulate(grad_params: list, grads) -> None:
+    """Adds one chunk's head gradients to the fp32 running sums (cast once at the end). A function, not a loop in
+    ``_probe_chunks``: a loop variable there kept the chunk's gradient alive through the next chunk's autograd.grad,
+    one head gradient more at the loss's peak (issue 21)."""
+    for i, g in enumerate(grads):
+        if g is not None:
+            grad_params[i] = g.float() if grad_params[i] is None else grad_params[i].add_(g)
 
 
 def _linear_chunks(head: LinearHead, chunk, flat, targets, grad_hidden, params) -> tuple[torch.Tensor, list]:

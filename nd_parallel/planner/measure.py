@@ -18,10 +18,16 @@ class LiveTensorBytes(TorchDispatchMode):
     `storage.resize_(0)`). The allocator-level count MemTracker keeps, without its module hooks (which refuse a
     module called once per pipeline micro-batch)."""
 
-    def __init__(self, initial):
+    def __init__(self, initial, breakdown: bool = False):
         super().__init__()
         self.live: dict[int, int] = {}
         self.current = self.peak = 0
+        # breakdown: which op made each live storage ("initial", or "<op> fwd|bwd"), and the live set at the peak
+        # (``at_peak``: label -> bytes): how the planner's terms were checked against a measured peak. Slow.
+        self.breakdown = breakdown
+        self.made_by: dict[int, str] = {}
+        self.at_peak: dict[str, int] = {}
+        self._op = "initial"
         for t in initial:
             self._track(t)
 
@@ -38,11 +44,24 @@ class LiveTensorBytes(TorchDispatchMode):
             return
         self.live[key] = st.nbytes()
         self.current += self.live[key]
-        self.peak = max(self.peak, self.current)
+        if self.breakdown:
+            self.made_by[key] = self._op
+        self._new_peak()
         weakref.finalize(st, self._free, key)
+
+    def _new_peak(self) -> None:
+        if self.current <= self.peak:
+            return
+        self.peak = self.current
+        if self.breakdown:
+            self.at_peak = {}
+            for key, nbytes in self.live.items():
+                label = self.made_by.get(key, "initial")
+                self.at_peak[label] = self.at_peak.get(label, 0) + nbytes
 
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
+        self.made_by.pop(key, None)
 
     def __enter__(self):
         original = self._resize = torch.UntypedStorage.resize_
@@ -54,8 +73,9 @@ class LiveTensorBytes(TorchDispatchMode):
             if key in mode.live:
                 mode.current += st.nbytes() - mode.live[key]
                 mode.live[key] = st.nbytes()
-                mode.peak = max(mode.peak, mode.current)
+                mode._new_peak()
             elif size:
+                mode._op = "resize_ (an FSDP all-gather output)"
                 mode._track(torch.empty(0).set_(st))
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
@@ -66,7 +86,10 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        phase = "bwd" if self.breakdown and torch._C._current_graph_task_id() != -1 else "fwd"
         for t in tree_flatten(out)[0]:
+            if self.breakdown and isinstance(t, torch.Tensor):
+                self._op = f"{func.__name__} {phase} {list(getattr(t, '_local_tensor', t).shape)} {t.dtype}"
             self._track(t)
         return out
 

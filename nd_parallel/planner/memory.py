@@ -20,8 +20,9 @@ logits, that output, its gradient and the logits' gradient are alive together (1
 entry in fp32, 14 in bf16: the held logits are bf16). The chunked loss (distributed/chunked_loss.py, the default)
 holds those buffers for one chunk of tokens only, and keeps from its forward to its backward the gradient of the
 hidden states (compute dtype) and the fp32 gradient of the head's weight, while the next chunk's head gradient
-is added to it (two fp32 copies of this rank's head at that moment). Under TP with a vocabulary-split head the
-chunked loss is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
+is added to it (two copies of this rank's head at that moment, the chunk's in the compute dtype; on the probe's
+path the larger of two moments of a chunk, ``_probe_loss``). Under TP with a vocabulary-split head the chunked loss
+is vocabulary-parallel (distributed/vocab_parallel.py): a chunk's logits buffers are V/tp wide per rank
 (``vocab_share``); HF's unchunked loss gathers the logits, so without chunking they stay whole.
 
 Mixture-of-experts layers (checked against a real block's saved tensors in tests/unit/test_planner_moe.py, and
@@ -182,9 +183,7 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
             low = train.compute_bytes if train.compute_bytes < FP32 else 0
             loss = chunk * (FP32 + low) * spec.vocab + grad_hidden + grad_head * (1 + low / FP32)
         else:
-            # the probe's path: one chunk's buffers, the running fp32 head gradient and the chunk's own (in the
-            # compute dtype: bf16 beside the fp32 sum)
-            loss = chunk * at_loss * share + grad_hidden + grad_head * (1 + train.compute_bytes / FP32)
+            loss = _probe_loss(spec, train, chunk * share, at_loss, grad_head, share < 1) + grad_hidden
         # every other in-flight micro-batch keeps its hidden-state and head gradients until its backward; the
         # hidden states' gradient of the one whose backward runs is consumed by its last layer, its head's is not:
         # the loss's backward hands it to the head's parameter as the model holds it in forward (the compute dtype:
@@ -196,6 +195,22 @@ def _logits(spec: ModelSpec, train: Training, layout: Layout, tokens: float, fli
     # still holds its logits (`out`), and the head's gradient is formed.
     others = (flight - 1) * (held + FP32 * spec.vocab)
     return tokens * (at_loss + others), tokens * (held + others) + grad_head
+
+
+def _probe_loss(spec: ModelSpec, train: Training, rows: float, at_loss: int, grad_head: float, fused: bool) -> float:
+    """The probe's path (chunked_loss._probe_chunks) at the larger of a chunk's two moments; ``rows``: its tokens x
+    this rank's share of the vocabulary, ``at_loss``: bytes per token of the unchunked loss's buffers (measured with
+    the per-op breakdown, benchmarks/bench_planner_breakdown.py):
+    - its log-softmax's backward: the chunk's logits buffers (``at_loss``; under TP's loss_parallel, ``fused``, the
+      cross-entropy's backward gives the logits' gradient at once, with no gradient of the log-softmax output
+      between) beside the running fp32 head gradient;
+    - autograd forming the chunk's head gradient, the log-softmax output and its gradient freed: the chunk's logits
+      and their gradient (cast back to the compute dtype) beside the running sum and the chunk's own head gradient
+      (compute dtype). The previous chunk's is gone (before issue 21's fix a loop variable held it here)."""
+    b = train.compute_bytes
+    softmax = rows * (at_loss - (FP32 * spec.vocab if fused else 0)) + grad_head
+    head = rows * 2 * b * spec.vocab + grad_head * (1 + b / FP32)
+    return max(softmax, head)
 
 
 def stages_of_rank(layout: Layout, rank: int) -> list[int]:

@@ -64,10 +64,11 @@ def _collate(samples):
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None) -> RunResult:
+def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None, progress=None) -> RunResult:
     """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share).
 
     ``model``: an already built model (e.g. wrapped with PEFT) instead of ``from_pretrained(model_dir)``.
+    ``progress(step, loss)``: called after each optimizer step, as train_layout calls it.
     """
     from transformers import AutoModelForCausalLM
 
@@ -85,6 +86,8 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None
         opt.step()
         sched.step()
         opt.zero_grad()
+        if progress is not None:
+            progress(step, result.losses[-1])
     result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     result.optimizer = opt
     return result

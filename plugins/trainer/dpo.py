@@ -1,4 +1,4 @@
-"""TRL's ``DPOTrainer`` (1.16) under FSDP2 / HSDP / DDP / TP / EP: its loss made the mean over the global batch's pairs.
+"""TRL's ``DPOTrainer`` (1.16) under FSDP2 / HSDP / DDP / TP / CP / EP: its loss the mean over the global batch's pairs.
 
 What DPOTrainer does on its own, and why each part is turned here (adopt.py calls ``adopt_dpo``):
 
@@ -16,13 +16,17 @@ What DPOTrainer does on its own, and why each part is turned here (adopt.py call
 - **Metrics.** Rewards, log-probs and margins go through ``accelerator.gather`` / ``gather_for_metrics``, which
   nd_parallel gathers over the dp ranks only: means over the global batch, as in one process.
 
-Not handled (refused in ``check_dpo_args`` before any collective, with the fix): pipeline and context parallelism
-(the per-sequence sums need every token of the sequence on one rank and a per-token output from the last stage),
+- **Context parallelism.** Each cp rank's fused head scores its own tokens; CP's hooks gather those per-token fields
+  back into the whole sequence (``context_parallel/token_outputs.py``), so every cp rank computes DPOTrainer's loss
+  on whole sequences and backpropagates its own tokens' share.
+
+Not handled (refused in ``check_dpo_args`` before any collective, with the fix): pipeline parallelism (the
+per-sequence sums need a per-token output from the last stage, which the pipeline does not return),
 loss types that mix pairs across the batch or average tokens (``aot``, ``aot_unpaired``, ``sft``) when dp splits
 the batch, ``precompute_ref_log_probs`` (it runs inside ``DPOTrainer.__init__``, before the layout exists),
 ``sync_ref_model`` (it mixes sharded weights into the reference outside the layout), ``padding_free`` (one packed
-row per rank, not verified under a layout), and the MoE router's auxiliary loss under dp (a statistic of this
-rank's micro-batch).
+row per rank, not verified under a layout), and the MoE router's auxiliary loss under dp or cp (a statistic of
+this rank's micro-batch or tokens).
 """
 
 from __future__ import annotations
@@ -53,14 +57,11 @@ def check_dpo_args(trainer, config) -> None:
     """DPOTrainer options that cannot give one process's loss and gradients under ``config``: refused with the fix."""
     args = trainer.args
     where = config.describe()
-    splits_sequence = {k: v for k, v in (("pp_size", config.pp_size), ("cp_size", config.cp_size),
-                                         ("sp_size", getattr(config, "sp_size", 1))) if v > 1}
-    if splits_sequence:
-        what = ", ".join(f"{k}={v}" for k, v in splits_sequence.items())
+    if config.pp_size > 1:
         raise NotImplementedError(
-            f"TRL DPOTrainer under {what}: it sums each sequence's per-token log-probs from the model's fused head, "
-            "which needs the whole sequence on one rank and a per-token output (a pipeline's stages and a sequence "
-            "shard give neither); use dp_shard_size / dp_replicate_size / tp_size / ep_size for DPO")
+            f"TRL DPOTrainer under pp_size={config.pp_size}: it sums each sequence's per-token log-probs from the "
+            "model's fused head, which a pipeline's stages do not return; use dp_shard_size / dp_replicate_size / "
+            "tp_size / cp_size / ep_size for DPO")
     losses = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
     mixing = [t for t in losses if t in BATCH_MIXING_LOSSES]
     aux = aux_loss_enabled(trainer)
@@ -75,7 +76,7 @@ def check_dpo_args(trainer, config) -> None:
          "it mixes the policy's (sharded) weights into the reference outside the layout; leave it False"),
         (bool(getattr(args, "padding_free", False)), "padding_free=True",
          "one packed row per rank is not verified under a layout; use padding_free=False"),
-        (aux and _dp(config) > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
+        (aux and _dp(config) * config.cp_size > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
          "it is a load-balancing statistic of this rank's micro-batch; set DPOConfig(router_aux_loss_coef=0.0)"),
     ]
     for bad, what, fix in refusals:
@@ -98,6 +99,10 @@ def adopt_dpo(trainer, plugin) -> None:
 
 def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """DPOTrainer.compute_loss, its loss the mean over the global batch's pairs (module docstring)."""
+    # CP: the fused head's per-token outputs of the whole sequence (token_outputs.py), the reference's too
+    for m in (model, self.model, getattr(self, "ref_model", None)):
+        if getattr(m, "_nd_parallel_cp", None) is not None:
+            m._nd_parallel_cp.per_token_outputs = True
     out = type(self).compute_loss(self, model, inputs, return_outputs=return_outputs)
     loss, outputs = out if return_outputs else (out, None)
     config = self.nd_parallel.config

@@ -5,8 +5,8 @@ SPEC_JSON: {"model": dir, "runs": [[name, {config kwargs} | null, {DPOConfig}, {
 A null config is the reference: DPOTrainer alone. extras: "lora": true passes peft_config (the reference policy is
 then the base with the adapter disabled); without it DPOTrainer builds its own frozen reference copy.
 Data: prompt / chosen / rejected strings of different lengths from the locally generated text; the tokenizer is a
-tiny BPE trained locally (nd_parallel.testing.tokenizer). Writes, from the main process, every logged loss, grad
-norm and reward metric, and the final full state.
+tiny BPE trained locally (nd_parallel.testing.tokenizer). Evaluates on 8 other pairs every 2 steps. Writes, from the
+main process, every logged loss, grad norm and reward metric, the same evaluation metrics, and the final full state.
 """
 
 import json
@@ -49,9 +49,10 @@ def _trainer(DPOConfig, DPOTrainer, spec, out_dir, name, config, dpo_args, extra
 
         torch.manual_seed(SEED)
         peft_config = lora_config()
-    args = DPOConfig(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, dataset_num_proc=None, **dpo_args)
-    return DPOTrainer(model=model, args=args, train_dataset=dataset(32, seed=0), processing_class=tok,
-                      peft_config=peft_config, callbacks=callbacks)
+    args = DPOConfig(output_dir=f"{out_dir}/{name}", report_to=[], use_cpu=True, dataset_num_proc=None,
+                     eval_strategy="steps", eval_steps=2, **dpo_args)
+    return DPOTrainer(model=model, args=args, train_dataset=dataset(32, seed=0), eval_dataset=dataset(8, seed=1),
+                      processing_class=tok, peft_config=peft_config, callbacks=callbacks)
 
 
 def main(out_dir: str, spec_path: str) -> None:
@@ -65,7 +66,10 @@ def main(out_dir: str, spec_path: str) -> None:
         logs = [h for h in trainer.state.log_history if "loss" in h]
         state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if trainer.accelerator.is_main_process:
-            torch.save({**{k: [h[k] for h in logs] for k in METRICS}, "state": state}, f"{out_dir}/{name}.pt")
+            evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+            torch.save({**{k: [h[k] for h in logs] for k in METRICS}, "state": state,
+                        **{f"eval_{k}": [h[f"eval_{k}"] for h in evals] for k in METRICS if k != "grad_norm"}},
+                       f"{out_dir}/{name}.pt")
         trainer.accelerator.wait_for_everyone()
 
 

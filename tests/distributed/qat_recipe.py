@@ -5,11 +5,8 @@ loop, the fake quantizers switched on before step ``fake_quant_after_n_steps`` a
 
 from __future__ import annotations
 
-import torch
-from torch.utils.data import DataLoader
-
 from nd_parallel.models.qat import prepare_qat, set_fake_quant
-from nd_parallel.testing.parity import RunResult, _collate, optimizer_and_schedule
+from nd_parallel.testing.parity import RunResult, train_reference
 
 
 def qat_model(model_dir, options: dict, plugin=None):
@@ -31,21 +28,4 @@ def switch(model, options: dict):
 def train_qat_reference(model_dir, samples, dp_size: int, recipe, options: dict) -> RunResult:
     """parity.train_reference's loop (one process, the global batch) with the quantizer switch of ``switch``."""
     model = qat_model(model_dir, options)
-    after = switch(model, options)
-    opt, sched = optimizer_and_schedule(model, recipe)
-    loader = DataLoader(samples, batch_size=recipe.per_rank_batch * dp_size, collate_fn=_collate)
-    result = RunResult()
-    for step, batch in enumerate(loader):
-        if step == recipe.steps:
-            break
-        loss = model(**batch).loss
-        loss.backward()
-        result.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm).item())
-        result.losses.append(loss.item())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        if after is not None:
-            after(step, result.losses[-1])
-    result.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return result
+    return train_reference(model_dir, samples, dp_size, recipe, model=model, progress=switch(model, options))

@@ -1,11 +1,12 @@
 """TRL DPOTrainer rows: an unchanged DPOTrainer with NDParallelCallback matches DPOTrainer in one process.
 
-One launch of 2 ranks runs FSDP2, DDP and TP rows, with a LoRA adapter (the reference policy is the base with the
+One launch of 2 ranks runs FSDP2, DDP, TP and CP rows (CP: the fused head's per-token outputs gathered back into
+the whole sequence, context_parallel/token_outputs.py), with a LoRA adapter (the reference policy is the base with the
 adapter disabled) and full fine-tuning (DPOTrainer's own frozen reference copy, prepared under the same layout).
 Same data, seed, gradient accumulation (2), sigmoid loss (beta 0.1) and linear schedule; the one-process
 DPOTrainer's per-device batch is the layout's global batch (pairs). Compared: every logged loss and grad norm
-(rtol 1e-5), the reward margins and chosen log-probs (gathered over the dp ranks: the global batch's means), every
-parameter at the end (atol 1e-5).
+(rtol 1e-5), the reward margins and chosen log-probs (gathered over the dp ranks: the global batch's means), the
+evaluations from step 2 on (loss, chosen log-probs), every parameter at the end (atol 1e-5).
 
 Why lr 1e-3 (the SFT rows use 1e-2): DPO's gradient is a difference of the chosen and the rejected sequences'
 log-prob gradients, so more of its elements are near zero, where AdamW's update m/(sqrt(v)+eps) turns a gradient's
@@ -30,16 +31,18 @@ ROWS = {"fsdp2_lora": ({"dp_shard_size": 2}, {"lora": True}),
         "fsdp2_full": ({"dp_shard_size": 2}, {}),
         "ddp2_full": ({"dp_replicate_size": 2}, {}),
         "tp2_lora": ({"tp_size": 2}, {"lora": True}),
-        "tp2_full": ({"tp_size": 2}, {})}
+        "tp2_full": ({"tp_size": 2}, {}),
+        "cp2_lora": ({"cp_size": 2}, {"lora": True}),
+        "cp2_full": ({"cp_size": 2}, {})}
 WORLD = 2
 
 
 def _dp(config):
-    return WORLD // config.get("tp_size", 1)
+    return WORLD // (config.get("tp_size", 1) * config.get("cp_size", 1))
 
 
 def _args(per_rank):
-    return dict(ARGS, per_device_train_batch_size=per_rank)
+    return dict(ARGS, per_device_train_batch_size=per_rank, per_device_eval_batch_size=per_rank)
 
 
 def _key(row):
@@ -84,6 +87,10 @@ def test_dpo_trainer_matches_one_process(row, run, references):
     for a, b in zip(got["rewards/margins"], want["rewards/margins"]):  # ~1e-3: compared absolutely
         assert abs(a - b) <= 1e-6, (got["rewards/margins"], want["rewards/margins"])
     assert max(abs(m) for m in want["rewards/margins"][1:]) > 1e-5  # the policy moved away from the reference
+    assert len(got["eval_loss"]) == len(want["eval_loss"]) >= 1  # from step 2 on, on 8 other pairs
+    for key in ("eval_loss", "eval_logps/chosen"):
+        for a, b in zip(got[key], want[key]):
+            assert _rel(a, b) <= 1e-5, (key, got[key], want[key])
     assert set(got["state"]) == set(want["state"])
     diff = max((got["state"][k] - v).abs().max().item() for k, v in want["state"].items())
     assert diff <= 1e-5, diff

@@ -172,7 +172,6 @@ def _dpo(**args):
 
 @pytest.mark.parametrize("layout,change,message", [
     (dict(pp_size=2), {}, "DPOTrainer under pp_size=2: .*use dp_shard_size / dp_replicate_size / tp_size"),
-    (dict(cp_size=2), {}, "DPOTrainer under cp_size=2: .*whole sequence on one rank"),
     (dict(dp_shard_size=2), dict(loss_type=["sigmoid", "aot"]), "loss_type=\\['aot'\\] under .*per-pair loss"),
     (dict(dp_replicate_size=2), dict(loss_type=["sft"]), "loss_type=\\['sft'\\]"),
     (dict(tp_size=2), dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True .*leave it False"),

@@ -229,6 +229,7 @@ def test_cosine_min_lr_ratio_is_axolotls_schedule():
 def test_extras_and_unsupported_features_are_refused_in_one_message(tmp_path):
     path = _write(tmp_path, """batch_size: 8
 micro_batch_size: 2
+gradient_accumulation_steps: 2
 lr_scheduler: linear
 cosine_min_lr_ratio: 0.2
 lora_target_parameters: [experts.down_proj]
@@ -243,8 +244,8 @@ chat_template: chatml
     with pytest.raises(ConfigError) as err:
         load_train_config(path, environ={})
     message = str(err.value)
-    for needle in ("batch_size=8 but micro_batch_size x gradient_accumulation_steps = 2 x 1",
-                   "set gradient_accumulation_steps: 4", "cosine_min_lr_ratio with lr_scheduler='linear'",
+    for needle in ("batch_size=8 with gradient_accumulation_steps=2: they disagree (micro_batch_size x "
+                   "gradient_accumulation_steps = 4); keep one", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
                    "float16=True: float16: true loads and trains the weights in fp16", "qat: group_size=32 with nvfp4",
                    "set group_size: 16", "processor_type='AutoProcessor': multimodal",
@@ -320,14 +321,13 @@ def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
     cfg = load_train_config(_write(tmp_path, "rl: dpo\nrl_beta: 0.05\n"), environ={})
     assert (cfg.rl, cfg.rl_beta, cfg.datasets[0].field_chosen, cfg.datasets[0].field_rejected) == (
         "dpo", 0.05, "chosen", "rejected")
-    assert load_train_config(_write(tmp_path, "rl: ipo\n"), environ={}).rl == "ipo"
+    assert load_train_config(_write(tmp_path, "rl: ipo\ncontext_parallel_size: 2\n"), environ={}).rl == "ipo"
     for extra, needle in [
             ("rl: kto\n", "rl='kto': nd-parallel train runs rl: dpo and rl: ipo"),
             ("rl: dpo\nrl_beta: -1\n", "rl_beta=-1; write a number > 0"),
             ("rl: dpo\nsample_packing: true\n", "sample_packing=True with rl: dpo: DPO's pairs are not packed"),
             ("rl: dpo\npipeline_parallel_size: 2\n", "rl: dpo with pipeline_parallel_size: 2: DPO sums each "
-                                                     "sequence's log-probs"),
-            ("rl: dpo\ncontext_parallel_size: 2\n", "context_parallel_size: 2")]:
+                                                     "sequence's per-token log-probs")]:
         with pytest.raises(ConfigError, match=None) as err:
             load_train_config(_write(tmp_path, extra), environ={})
         assert needle in str(err.value), (needle, str(err.value))
@@ -362,3 +362,17 @@ def test_preference_records_render_as_axolotl_renders_them(tmp_path):
     with pytest.raises(ConfigError, match=r"good's role 'robot' is not one the chat template knows"):
         preference_fn(spec, tok, "d.jsonl")({"conv": ["a"], "good": [{"from": "robot", "value": "b"}],
                                               "bad": ["c"]}, [0])
+
+
+def test_a_batch_size_alone_is_read_as_axolotl_reads_it(tmp_path):
+    """Axolotl 0.19 fills gradient_accumulation_steps: 1 before it reads batch_size, so batch_size alone does not
+    change training there: the same here, with one line naming the setting that would."""
+    cfg = load_train_config(_write(tmp_path, "batch_size: 8\nmicro_batch_size: 2\n"), environ={})
+    assert (cfg.micro_batch_size, cfg.gradient_accumulation_steps) == (2, 1)
+    assert any(n.startswith("batch_size=8: not used for training, as in Axolotl 0.19") and
+               n.endswith("set gradient_accumulation_steps: 4 for a batch of 8") for n in cfg.notes), cfg.notes
+    agreeing = load_train_config(_write(tmp_path, "batch_size: 4\nmicro_batch_size: 2\n"
+                                                  "gradient_accumulation_steps: 2\n"), environ={})
+    assert not any(n.startswith("batch_size") for n in agreeing.notes)
+    with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
+        load_train_config(_write(tmp_path, "batch_size: 0\n"), environ={})

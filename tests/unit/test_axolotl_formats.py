@@ -4,8 +4,6 @@ tokens and labels as Axolotl 0.19's own strategies (when its venv is there), wha
 refusals with their fix."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,9 +12,7 @@ from nd_parallel.cli.train.config import load_train_config
 from nd_parallel.cli.train.data import instructions
 from nd_parallel.config import ConfigError
 from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-AXOLOTL_PYTHON = Path(os.environ.get("ND_PARALLEL_AXOLOTL_VENV", ROOT / ".venv-axolotl")) / "bin" / "python"
+from tests.unit.axolotl_venv import run_in_axolotl
 
 
 @pytest.fixture(scope="module")
@@ -47,20 +43,10 @@ def test_instruction_types_tokenize_as_axolotl(data, tmp_path):
     """Axolotl 0.19's AlpacaPromptTokenizingStrategy / JeopardyPromptTokenizingStrategy, run in its own venv on the
     same records and tokenizer: input_ids and labels equal for every style, with and without train_on_inputs.
     (sequence_len is large: Axolotl cuts a long prompt before appending the response, and both then drop it.)"""
-    if not AXOLOTL_PYTHON.is_file():
-        why = f"no Axolotl interpreter at {AXOLOTL_PYTHON}: build .venv-axolotl (.ci/axolotl-venv)"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"CI: {why}", pytrace=False)
-        pytest.skip(why)
     request = {"model": data["model"], "len": 1024, **{k: json.loads(Path(data[k]).read_text())
                                                        for k in ("alpaca", "jeopardy")}}
     (tmp_path / "records.json").write_text(json.dumps(request))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
-    out = subprocess.run([str(AXOLOTL_PYTHON), str(Path(__file__).with_name("axolotl_prompt_dump.py")),
-                          str(tmp_path / "records.json")], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    theirs = run_in_axolotl(str(Path(__file__).with_name("axolotl_prompt_dump.py")), str(tmp_path / "records.json"))
     assert len(theirs) == 16
     for key, rows in theirs.items():
         kind, style, train_on_inputs = key.split(":")

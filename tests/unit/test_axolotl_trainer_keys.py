@@ -4,12 +4,8 @@ checkpoints, refused as resume points before any rank starts) and `early_stoppin
 EarlyStoppingCallback with load_best_model_at_end, Axolotl's rules), read by `nd-parallel train` in one process.
 The checkpoints themselves under FSDP2: tests/distributed/test_train_checkpoint_keys.py."""
 
-import json
 import math
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,7 @@ from nd_parallel.cli.train.job import check_layout_rules, trainer_arguments
 from nd_parallel.cli.train.schedules import cosine_with_quadratic_warmup, use_quadratic_warmup
 from nd_parallel.config import ConfigError
 from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-AXOLOTL_PYTHON = Path(os.environ.get("ND_PARALLEL_AXOLOTL_VENV", ROOT / ".venv-axolotl")) / "bin" / "python"
+from tests.unit.axolotl_venv import run_in_axolotl
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +74,7 @@ print(json.dumps(out))
 @pytest.mark.parametrize("warmup,total", [(3, 10), (0, 5), (4, 4)])
 def test_quadratic_warmup_equals_axolotls_scheduler(warmup, total):
     """Axolotl's own scheduler, run in its venv: the same learning rates, bit for bit."""
-    if not AXOLOTL_PYTHON.is_file():
-        why = f"no Axolotl interpreter at {AXOLOTL_PYTHON}: build .venv-axolotl (.ci/axolotl-venv)"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"CI: {why}", pytrace=False)
-        pytest.skip(why)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"AXOLOTL_DO_NOT_TRACK": "1",
-                                                                          "DO_NOT_TRACK": "1"}
-    proc = subprocess.run([str(AXOLOTL_PYTHON), "-c", _AXOLOTL_LRS, str(warmup), str(total)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = run_in_axolotl("-c", _AXOLOTL_LRS, str(warmup), str(total), timeout=600)
     assert _lrs(cosine_with_quadratic_warmup(_optimizer(), warmup, total), total) == theirs
 
 

@@ -208,3 +208,40 @@ def test_the_head_check_on_a_pipeline_stage_metadata_call_tells_a_soft_capped_he
     head.run(inputs_embeds=_not_garbage(torch.full(shape, float("nan"))))
     assert head.checked and head.enabled and head.linear is None  # soft-capped: the probe's path
     head.remove()
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_probe_path_holds_one_chunk_head_gradient_beside_the_running_sum(dtype):
+    """Issue 21: the probe's path (any head that is not one linear map, and TP's vocabulary-parallel head) sums the
+    chunks' head gradients into one fp32 buffer; while a chunk's head gradient is formed the previous chunk's must
+    be gone (a loop variable kept it alive: one head gradient more than the planner counts). Counted by the
+    allocator-level tracker the planner is validated with, at every storage it sees made."""
+    from nd_parallel.distributed.chunked_loss import chunked_cross_entropy
+    from nd_parallel.planner.measure import LiveTensorBytes
+
+    vocab, width, chunk = 50, 16, 4
+    shape = f"[{vocab}, {width}]"  # the head's shape, unlike any chunk's or the hidden states'
+
+    class HeadGradients(LiveTensorBytes):
+        most: tuple[int, int] = (0, 0)  # (count, bytes) of head-shaped storages made in the loss, alive at once
+
+        def _new_peak(self):
+            super()._new_peak()
+            alive = [n for key, n in self.live.items() if shape in self.made_by.get(key, "initial")]
+            self.most = max(self.most, (len(alive), sum(alive)))
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, width, generator=g, dtype=dtype).requires_grad_()
+    hidden = torch.randn(2, 12, width, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (2, 12), generator=g)
+
+    def head(x):  # soft-capped: not one linear map, so the probe's path
+        return 5.0 * torch.tanh((x @ weight.t()) / 5.0)
+
+    with HeadGradients([weight, hidden, targets], breakdown=True) as live:
+        loss = chunked_cross_entropy(head, hidden, targets, chunk, [weight])  # 6 chunks
+    # the fp32 running sum and the chunk's own gradient (in fp32 the first chunk's is the sum: no copy)
+    assert live.most == (2, vocab * width * (4 + dtype.itemsize)), live.at_peak
+    loss.backward()  # the values are the model's own loss's (the tests above); here only that they land
+    assert weight.grad is not None and weight.grad.dtype == dtype

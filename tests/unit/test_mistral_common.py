@@ -4,8 +4,6 @@ the labels train the assistant turns and their </s> (and equal Axolotl 0.19's, w
 stage refuses what the tokenizer cannot honour, and a folder without the tokenizer file stops before any rank."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,10 +14,9 @@ from nd_parallel.cli.train.data.sources import DatasetSpec
 from nd_parallel.config import ConfigError
 from nd_parallel.testing.models import make_text, save_tiny_model
 from nd_parallel.testing.tekken import write_tiny_tekken
+from tests.unit.axolotl_venv import run_in_axolotl
 
 pytest.importorskip("mistral_common")
-ROOT = Path(__file__).resolve().parents[2]
-AXOLOTL_PYTHON = Path(os.environ.get("ND_PARALLEL_AXOLOTL_VENV", ROOT / ".venv-axolotl")) / "bin" / "python"
 LINES = make_text(40, seed=3)
 SYSTEM = {"role": "system", "content": "be brief"}
 
@@ -102,20 +99,10 @@ def test_labels_equal_axolotls_mistral_strategy(models, version, tmp_path):
     input_ids and labels equal for train_on_eos turn / last / none. (Axolotl finds turns on prefixes of the
     conversation; before v7 mistral-common moves the system prompt into the last user turn, so there its labels
     shift by that prompt: v3 is checked above against the answers themselves.)"""
-    if not AXOLOTL_PYTHON.is_file():
-        why = f"no Axolotl interpreter at {AXOLOTL_PYTHON}: build .venv-axolotl (.ci/axolotl-venv)"
-        if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"CI: {why}", pytrace=False)
-        pytest.skip(why)
     options = ["turn", "last", "none"]
     request = {"tekken": str(models[version] / "tekken.json"), "records": RECORDS, "options": options}
     (tmp_path / "request.json").write_text(json.dumps(request))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1"}
-    out = subprocess.run([str(AXOLOTL_PYTHON), str(Path(__file__).with_name("axolotl_mistral_dump.py")),
-                          str(tmp_path / "request.json")], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    theirs = run_in_axolotl(str(Path(__file__).with_name("axolotl_mistral_dump.py")), str(tmp_path / "request.json"))
     for option in options:
         ours = [list(map(list, row)) for row in _tokenize(models[version], RECORDS, train_on_eos=option)[1]]
         assert ours == theirs[option], option

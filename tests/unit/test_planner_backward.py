@@ -102,3 +102,32 @@ def test_pipeline_fsdp_accumulates_whole_gradients(llama):
     assert last["grads"] == 2 * last["params"]  # whole = 2 x the FSDP2 shard
     # its loss runs after the stage's forward returned: the root's copy (head, final norm), no layer all-gather left
     assert last["comm_buffers"] == 4 * (4096 * 256 + 256)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_probe_paths_loss_term_equals_the_measured_loss_peak(dtype):
+    """memory._probe_loss against the allocator-level peak of the chunked loss's probe path on a head that is a plain
+    callable (so the probe's path, not linear_loss.py's): in fp32 the peak is the head's gradient being formed (the
+    chunk's logits and their gradient, the running sum and the chunk's own), in bf16 the log-softmax's backward (its
+    four buffers beside the sum). What it leaves out: the chunk's hidden-state gradient (c x h) and scalars."""
+    from types import SimpleNamespace
+
+    from nd_parallel.distributed.chunked_loss import chunked_cross_entropy
+    from nd_parallel.planner.measure import LiveTensorBytes
+    from nd_parallel.planner.memory import FP32, _probe_loss, logits_bytes_per_token
+
+    vocab, width, tokens, chunk = 512, 64, 64, 16
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, width, generator=g).to(torch_dtype).requires_grad_()
+    hidden = torch.randn(1, tokens, width, generator=g).to(torch_dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (1, tokens), generator=g)
+    initial = [weight, hidden, targets]
+    with LiveTensorBytes(initial) as live:
+        chunked_cross_entropy(lambda x: x @ weight.t(), hidden, targets, chunk, [weight])
+    measured = live.peak - sum(t.untyped_storage().nbytes() for t in initial)
+    spec, train = SimpleNamespace(vocab=vocab), Training(seq_len=tokens, global_batch=1, dtype=dtype)
+    b = train.compute_bytes
+    at_loss, _ = logits_bytes_per_token(spec, train)
+    predicted = _probe_loss(spec, train, chunk, at_loss, FP32 * vocab * width, False) + tokens * b * width
+    assert 0 <= measured - predicted <= chunk * width * FP32 + 64, (measured, predicted)

@@ -21,7 +21,7 @@ from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
-from .extras import AxolotlExtras, experts_note, extra_refusals
+from .extras import AxolotlExtras, extra_refusals, extras_notes
 from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
@@ -341,8 +341,7 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
     if data.get("gemma4_hybrid_attn_impl"):  # FA2 on sliding layers, SDPA on global ones: one attention, SDPA
         out.settings["attn_implementation"] = "sdpa"
         out.notes.append("gemma4_hybrid_attn_impl: every layer runs SDPA (the hybrid only swaps kernels)")
-    note = experts_note(data.get("experts_implementation"))
-    out.notes += ([note] if note else []) + [f"{k}: {why}" for k, why in UNREAD.items() if data.get(k) is not None]
+    out.notes += extras_notes(data) + [f"{k}: {why}" for k, why in UNREAD.items() if data.get(k) is not None]
     return out
 
 

@@ -199,20 +199,30 @@ def _moe_quantization(d: dict) -> list[str]:
 def _batch_size(d: dict) -> list[str]:
     """Axolotl reads gradient_accumulation_steps or batch_size // micro_batch_size, but its schema fills
     gradient_accumulation_steps: 1 first, so a batch_size that disagrees with micro_batch_size x
-    gradient_accumulation_steps changes only its step-count estimate there. Accepted where it agrees (the same
-    training), refused with the explicit setting where it does not."""
-    size = d.get("batch_size")
-    if size is None:
-        return []
-    micro, accumulation = d.get("micro_batch_size") or 1, d.get("gradient_accumulation_steps") or 1
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    gradient_accumulation_steps changes only its step-count estimate there: trained the same way here, with one line
+    (``batch_note``). Refused: a value that is not a count, and one that disagrees with an explicit
+    gradient_accumulation_steps."""
+    size, accumulation = d.get("batch_size"), d.get("gradient_accumulation_steps")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         return [f"batch_size={size!r} must be an integer >= 1 (micro_batch_size x gradient_accumulation_steps)"]
-    if isinstance(micro, int) and isinstance(accumulation, int) and size != micro * accumulation:
-        fix = (f"set gradient_accumulation_steps: {size // micro} for that batch" if size % micro == 0 else
-               "set gradient_accumulation_steps for the batch you want")
-        return [f"batch_size={size} but micro_batch_size x gradient_accumulation_steps = {micro} x {accumulation} "
-                f"(Axolotl's default 1) = {micro * accumulation}: {fix}, and drop batch_size (their product)"]
+    if accumulation is not None and batch_note(d):  # Axolotl's check_gas_bsz refuses the two together
+        return [f"batch_size={size} with gradient_accumulation_steps={accumulation}: they disagree (micro_batch_size x "
+                f"gradient_accumulation_steps = {(d.get('micro_batch_size') or 1) * accumulation}); keep one "
+                "(Axolotl refuses both set)"]
     return []
+
+
+def batch_note(d: dict) -> str | None:
+    """The line for a batch_size that disagrees with micro_batch_size x gradient_accumulation_steps (_batch_size)."""
+    size, micro = d.get("batch_size"), d.get("micro_batch_size") or 1
+    accumulation = d.get("gradient_accumulation_steps")
+    if not isinstance(size, int) or isinstance(size, bool) or not isinstance(micro, int) or not isinstance(
+            accumulation or 1, int) or size == micro * (accumulation or 1):
+        return None
+    fix = f"gradient_accumulation_steps: {size // micro}" if size % micro == 0 else "gradient_accumulation_steps"
+    return (f"batch_size={size}: not used for training, as in Axolotl 0.19 (its gradient_accumulation_steps defaults "
+            f"to 1 before batch_size is read): the batch per rank is micro_batch_size x gradient_accumulation_steps = "
+            f"{micro * (accumulation or 1)}; set {fix} for a batch of {size}")
 
 
 def model_kwargs(t: AxolotlExtras) -> dict[str, Any]:
@@ -244,6 +254,11 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
     except KeyError:  # remote code: the class is not known before loading; keep the request
         return impl
     return impl if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
+def extras_notes(d: dict) -> list[str]:
+    """The lines printed for the keys above that are read other than as written (none when all are as written)."""
+    return [note for note in (experts_note(d.get("experts_implementation")), batch_note(d)) if note]
 
 
 def experts_note(impl: str | None) -> str | None:

@@ -46,13 +46,10 @@ def rl_refusals(d: dict, layout) -> list[str]:
                        "chat_template.default (field_messages, field_chosen, field_rejected); convert them, or "
                        + _AXOLOTL_ONLY)
     if layout is not None:
-        split = {k: v for k, v in (("pipeline_parallel_size", layout.pp_size), ("context_parallel_size",
-                                                                                layout.cp_size)) if v > 1}
-        if split:
-            out.append(f"rl: {rl} with {', '.join(f'{k}: {v}' for k, v in split.items())}: DPO sums each "
-                       "sequence's log-probs, which needs the whole sequence on one rank and per-token outputs (a "
-                       "pipeline's stages and a sequence shard give neither); use dp_shard_size, "
-                       "tensor_parallel_size or expert_parallel_size")
+        if layout.pp_size > 1:
+            out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: DPO sums each sequence's "
+                       "per-token log-probs, which a pipeline's stages do not return; use dp_shard_size, "
+                       "tensor_parallel_size, context_parallel_size or expert_parallel_size")
     return out
 
 

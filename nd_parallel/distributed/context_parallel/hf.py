@@ -25,14 +25,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from nd_parallel.models.attention_calls import attention_keywords, computed_attention_masks
 from nd_parallel.models.hf import find_layer_stack, sequence_mixers, text_config
 
-from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index, unshard
+from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index
+from .token_outputs import gather_sequence, gathered_token_outputs
 
 logger = logging.getLogger("nd_parallel")
 
@@ -297,13 +297,6 @@ def shard_inputs(inputs: dict, runtime: CPRuntime, pad_id: int, isolate_document
     return sharded
 
 
-def gather_sequence(local: torch.Tensor, runtime: CPRuntime, seq_len: int) -> torch.Tensor:
-    """Every rank's shard of an output (B, S_local, ...) put back into the full sequence (no gradient)."""
-    pieces = [torch.empty_like(local) for _ in range(runtime.size)]
-    dist.all_gather(pieces, local.detach().contiguous(), group=runtime.group)
-    return unshard(pieces, seq_len, runtime.load_balance)
-
-
 class SequenceSharding:
     """Forward hooks on a prepared (non-pipelined) model: shard the batch in, run under the CP runtime.
 
@@ -319,6 +312,7 @@ class SequenceSharding:
         self.signature = inspect.signature(model.forward)
         self.positions_of = _positions_from_ids(model)
         self._state: list = []
+        self.per_token_outputs = False  # gather TRL's per-token outputs (token_outputs.py): set by DPO's adoption
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -341,16 +335,19 @@ class SequenceSharding:
             inputs["position_ids"] = self.positions_of(inputs["input_ids"])  # of the whole rows, before the cut
         isolate = isolates_documents(self.model_config, inputs.pop("use_cache", None))
         inputs["use_cache"] = False  # a KV cache of a sequence shard is of no use
+        shifted = inputs.get("shift_labels") is not None  # else a per-token output is one shorter (unshifted labels)
         sharded = shard_inputs({k: v for k, v in inputs.items() if v is not None}, self.runtime, self.pad_id, isolate)
         token = _ACTIVE.set(self.runtime)
-        self._state.append((token, sharded.seq_len, "labels" in sharded.kwargs))
+        self._state.append((token, sharded.seq_len, "labels" in sharded.kwargs, shifted))
         return (), sharded.kwargs
 
     def _post(self, module, args, kwargs, output):
         if not self._state:
             return None
-        token, seq_len, has_labels = self._state.pop()
+        token, seq_len, has_labels, shifted = self._state.pop()
         _ACTIVE.reset(token)
+        if self.per_token_outputs and getattr(output, "label_mask", None) is not None:  # TRL's fused LM head
+            return gathered_token_outputs(output, self.runtime, seq_len, drop_last=not shifted)
         # Training with labels needs only the loss; evaluation returns the logits one process would.
         if (has_labels and torch.is_grad_enabled()) or getattr(output, "logits", None) is None:
             return None
