@@ -23,7 +23,12 @@ class NonFiniteError(FloatingPointError):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """This rank's values as a plain tensor. A quantized optimizer state (torchao's 8-bit/4-bit AdamW keep their
+    moments as tensor subclasses that implement few ops, not isfinite) is read through its own dequantize()."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and callable(getattr(t, "dequantize", None)):
+        t = t.dequantize()
+    return t
 
 
 def first_nonfinite(named: list[tuple[str, torch.Tensor]]) -> str | None:

@@ -34,6 +34,19 @@ def test_attention_keys_resolve_with_one_line_on_cpu():
     assert any("use_reentrant=true" in n for n in qwen3.notes) and qwen3.parallel.tp_size == 2
 
 
+def test_sdpa_becomes_eager_where_the_model_has_no_sdpa_path(tmp_path):
+    """flash_attention_2 without CUDA becomes SDPA, which Gemma2 (soft-capped attention) does not have: the ranks
+    load it with eager attention, as transformers' default does, instead of stopping at load (Axolotl's
+    examples/gemma2/qlora.yml)."""
+    from nd_parallel.cli.train.extras import attention_for
+    from nd_parallel.testing.models import save_tiny_model
+
+    gemma2, llama = save_tiny_model("gemma2", tmp_path / "gemma2"), save_tiny_model("llama", tmp_path / "llama")
+    assert attention_for(str(gemma2), "sdpa", {}) == "eager"
+    assert attention_for(str(llama), "sdpa", {}) == "sdpa"
+    assert attention_for(str(gemma2), "eager", {}) == "eager"
+
+
 def test_deepspeed_and_fsdp1_map_to_fsdp2():
     by_name = {p.stem: load_train_config(p, environ={}) for p in YAMLS}
     for name in ("gemma3_chat_zero3", "gemma3n_template", "phi3_chat_zero2", "mistral_fsdp1_alpaca"):

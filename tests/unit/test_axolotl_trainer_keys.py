@@ -172,3 +172,24 @@ def test_adam_eps_is_accepted_as_axolotl_drops_it(tmp_path, data):
     assert "adam_eps" in cfg.unused and cfg.adam_epsilon is None
     assert any(n.startswith("adam_eps: not an Axolotl key") for n in cfg.notes), cfg.notes
     assert "adam_epsilon" not in trainer_arguments(cfg, "a", train_rows=20, eval_rows=0, dp=1)
+
+
+def test_bnb_optimizer_on_sharded_ranks_saves_model_only_checkpoints(tmp_path, data):
+    """A bitsandbytes optimizer steps each rank's shards and its state cannot enter a sharded checkpoint
+    (optimizer_8bit.refuse_checkpoint): Axolotl's qlora examples (paged_adamw_8bit, saves_per_epoch) trained and
+    then stopped at their first checkpoint. Now their checkpoints hold the model only, with a note naming the fix;
+    one rank, a torch optimizer or save_only_model already set keep the Trainer's full checkpoints."""
+    from nd_parallel import ParallelismConfig
+    from nd_parallel.cli.train.job import build_job
+
+    keys = {"optimizer": "paged_adamw_8bit", "save_steps": 1, "max_steps": 2}
+    two = ParallelismConfig(dp_shard_size=2).resolve(2)
+    cfg = _config(tmp_path, data, **keys)
+    job, _ = build_job(tmp_path / "c.yml", cfg, two, str(tmp_path / "w"))
+    assert job.trainer_args["save_only_model"] is True
+    assert any("paged_adamw_8bit on 2 sharded ranks" in n and "adamw_torch_8bit" in n for n in cfg.notes), cfg.notes
+    one = ParallelismConfig().resolve(1)
+    for layout, extra in ((one, {}), (two, {"optimizer": "adamw_torch"})):
+        cfg = _config(tmp_path, data, **{**keys, **extra})
+        job, _ = build_job(tmp_path / "c.yml", cfg, layout, str(tmp_path / "w"))
+        assert "save_only_model" not in job.trainer_args and not cfg.notes, (layout, extra)

@@ -158,6 +158,17 @@ def test_checkpoint_state_with_nan_is_refused():
 
 
 # ------------------------------------------------------------------------------------------------ signals
+def test_checkpoint_check_reads_quantized_optimizer_states():
+    """optimizer: adamw_torch_8bit (torchao) keeps its moments as OptimState8bit, which has no isfinite: the check
+    dequantizes them instead of crashing at the first save (Axolotl's examples/alst YAMLs)."""
+    subclass_8bit = pytest.importorskip("torchao.optim.subclass_8bit")
+    state = subclass_8bit.OptimState8bit.zeros((512,), signed=True, block_size=256, device="cpu")
+    check_state_finite([("optimizer 0 exp_avg of w", state)], distributed=False, step=2)
+    state.copy_(torch.full((512,), float("nan")))
+    with pytest.raises(NonFiniteError, match="exp_avg of w"):
+        check_state_finite([("optimizer 0 exp_avg of w", state)], distributed=False, step=2)
+
+
 def test_preemption_flag_sets_on_signal_and_agrees_without_a_group():
     flag = PreemptionFlag().install()
     try:

@@ -20,12 +20,12 @@ def cmd_train(args) -> int:
     config, nproc, device = resolve_train_layout(cfg, args.config, args.nproc, args.cpu, nodes.nnodes if nodes else 1)
     if cfg.unused and main_rank():
         print(f"nd-parallel train: accepted, not used: {', '.join(cfg.unused)}")
-    for note in cfg.notes if main_rank() else []:
-        print(f"nd-parallel train: {note}")
     with tempfile.TemporaryDirectory(prefix="nd-parallel-train-") as tmp:
         tmp = Path(tmp)
         # Under an outer launcher every rank prepares the same data (deterministic); the cache then serves it.
         job, prepared = build_job(args.config, cfg, config, str(tmp), quiet=not args.verbose)
+        for note in cfg.notes if main_rank() else []:  # after build_job, which may add one
+            print(f"nd-parallel train: {note}")
         if main_rank():
             print(f"nd-parallel train: {prepared.train_rows} training / {prepared.eval_rows} evaluation rows of <= "
                   f"{cfg.sequence_len} tokens ({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "

@@ -238,6 +238,24 @@ def model_kwargs(t: AxolotlExtras) -> dict[str, Any]:
     return out
 
 
+def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
+    """SDPA becomes eager where the model class has no SDPA path (Gemma2's soft-capped attention), as transformers'
+    own default does: SDPA is what a CUDA kernel asked for without CUDA becomes (equivalents.attention), and a model
+    that cannot run it stopped every rank at load."""
+    if impl != "sdpa":
+        return impl
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = extra.get("config") or AutoConfig.from_pretrained(
+        base_model, **{k: extra[k] for k in ("trust_remote_code", "revision") if k in extra})
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # remote code: the class is not known before loading; keep the request
+        return impl
+    return impl if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     return [note for note in (experts_note(d.get("experts_implementation")), batch_note(d)) if note]

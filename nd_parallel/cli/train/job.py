@@ -216,6 +216,21 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
                           f"{layout.dp_size} data-parallel ranks needs micro_batch_size x {layout.dp_size} = "
                           f"{per_micro}; add data or lower micro_batch_size")
     name = os.path.splitext(os.path.basename(str(path)))[0]
-    job = TrainJob(name=name, layout=layout, quiet=quiet, train=cfg, prepared=prepared.path,
-                   trainer_args=trainer_arguments(cfg, name, prepared.train_rows, prepared.eval_rows, layout.dp_size))
+    args = trainer_arguments(cfg, name, prepared.train_rows, prepared.eval_rows, layout.dp_size)
+    if args["save_strategy"] != "no" and not args.get("save_only_model") and steps_local_shards(cfg, layout):
+        # The optimizer's state is per rank and cannot go into a sharded checkpoint (optimizer_8bit.refuse_checkpoint):
+        # without this the run would train and then stop at its first checkpoint.
+        args["save_only_model"] = True
+        cfg.notes.append(f"optimizer={cfg.optimizer} on {layout.world_size // layout.pp_size} sharded ranks: its "
+                         "state cannot be checkpointed yet, so checkpoints hold the model only (save_only_model) and "
+                         "cannot be resumed; use optimizer: adamw_torch or adamw_torch_8bit for resumable ones")
+    job = TrainJob(name=name, layout=layout, quiet=quiet, train=cfg, prepared=prepared.path, trainer_args=args)
     return job, prepared
+
+
+def steps_local_shards(cfg: TrainConfig, layout: ParallelismConfig) -> bool:
+    """A bitsandbytes optimizer on DTensor parameters (every layout but one rank or a pipeline alone, fsdp.py shards
+    or replicates them) steps each rank's shards (distributed/optimizer_8bit.py)."""
+    from .keys import BNB_OPTIMIZERS
+
+    return cfg.optimizer in BNB_OPTIMIZERS and layout.world_size // layout.pp_size > 1

@@ -22,6 +22,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw
 # bitsandbytes' AdamW with fp32 state (element-wise: a shard's step is bit-equal to one process's).
 # torchao's low-bit AdamW (built by the Trainer, as in Axolotl): its states are DTensor-aware tensor subclasses.
 TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 

@@ -24,7 +24,7 @@ from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
 from .config import TrainConfig
-from .extras import embedding_rows, lora_kwargs, model_kwargs
+from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
 
 
@@ -40,9 +40,11 @@ def _model(t: TrainConfig, tokenizer):
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
-    if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
-        extra["attn_implementation"] = t.attn_implementation
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
+    if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
+        extra["attn_implementation"] = attention_for(t.base_model, t.attn_implementation, extra)
+        if extra["attn_implementation"] != t.attn_implementation and os.environ.get("RANK", "0") == "0":
+            print(f"[nd_parallel] attention: {t.base_model} has no SDPA path; using eager attention", flush=True)
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
     with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
