@@ -49,10 +49,6 @@ def is_dpo_trainer(trainer) -> bool:
     return any(cls.__name__ == "DPOTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
 
 
-def _dp(config) -> int:
-    return config.dp_replicate_size * config.dp_shard_size
-
-
 def check_dpo_args(trainer, config) -> None:
     """DPOTrainer options that cannot give one process's loss and gradients under ``config``: refused with the fix."""
     args = trainer.args
@@ -66,7 +62,7 @@ def check_dpo_args(trainer, config) -> None:
     mixing = [t for t in losses if t in BATCH_MIXING_LOSSES]
     aux = aux_loss_enabled(trainer)
     refusals = [
-        (bool(mixing) and _dp(config) > 1, f"loss_type={mixing!r}",
+        (bool(mixing) and config.dp_size > 1, f"loss_type={mixing!r}",
          "it sorts or averages over this rank's batch, which the dp ranks split; use a per-pair loss (sigmoid, "
          "hinge, ipo, ...) or one data-parallel rank"),
         (bool(getattr(args, "precompute_ref_log_probs", False)), "precompute_ref_log_probs=True",
@@ -76,7 +72,7 @@ def check_dpo_args(trainer, config) -> None:
          "it mixes the policy's (sharded) weights into the reference outside the layout; leave it False"),
         (bool(getattr(args, "padding_free", False)), "padding_free=True",
          "one packed row per rank is not verified under a layout; use padding_free=False"),
-        (aux and _dp(config) * config.cp_size > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
+        (aux and config.dp_size * config.cp_size > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
          "it is a load-balancing statistic of this rank's micro-batch; set DPOConfig(router_aux_loss_coef=0.0)"),
     ]
     for bad, what, fix in refusals:
@@ -106,7 +102,7 @@ def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=N
     out = type(self).compute_loss(self, model, inputs, return_outputs=return_outputs)
     loss, outputs = out if return_outputs else (out, None)
     config = self.nd_parallel.config
-    if _dp(config) > 1:
+    if config.dp_size > 1:
         group = self.nd_parallel.mesh["dp"].get_group()
         pairs = torch.tensor(inputs["input_ids"].shape[0] // 2, dtype=torch.float32, device=loss.device)
         total = pairs.clone()
