@@ -193,3 +193,11 @@ def test_bnb_optimizer_on_sharded_ranks_saves_model_only_checkpoints(tmp_path, d
         cfg = _config(tmp_path, data, **{**keys, **extra})
         job, _ = build_job(tmp_path / "c.yml", cfg, layout, str(tmp_path / "w"))
         assert "save_only_model" not in job.trainer_args and not cfg.notes, (layout, extra)
+
+
+def test_empty_optimizer_and_scheduler_are_the_defaults(tmp_path, data):
+    """`optimizer:` / `lr_scheduler:` with no value (None, as in Axolotl's replit example): Axolotl then uses the
+    Trainer's AdamW and cosine; so does nd-parallel train, instead of refusing None."""
+    cfg = _config(tmp_path, data, optimizer=None, lr_scheduler=None)
+    assert (cfg.optimizer, cfg.lr_scheduler) == ("adamw_torch", "cosine")
+    assert "optimizer='sgd'" in _refusal(tmp_path, data, optimizer="sgd")

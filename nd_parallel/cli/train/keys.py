@@ -176,9 +176,9 @@ def value_refusals(d: dict) -> list[str]:
     """Implemented keys set to a value that is not (qlora, other optimizers, fp16, ...)."""
     out = []
     out += _quantization_refusals(d)
-    if d.get("optimizer", "adamw_torch") not in OPTIMIZERS:
+    if (d.get("optimizer") or "adamw_torch") not in OPTIMIZERS:  # an empty value is the default, as in Axolotl
         out.append(f"optimizer={d['optimizer']!r}: use one of {', '.join(OPTIMIZERS)}")
-    if d.get("lr_scheduler", "cosine") not in SCHEDULERS:
+    if (d.get("lr_scheduler") or "cosine") not in SCHEDULERS:
         out.append(f"lr_scheduler={d['lr_scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
     if d.get("fp16"):
         out.append("fp16=True: fp16 needs loss scaling, which is not implemented; use bf16: true")
