@@ -8,12 +8,20 @@ The config stage is `load_train_config` (nd_parallel/cli/train/config.py): every
 and datasets entry is read and checked; no model or data file is opened, so hub names in base_model and datasets
 are read as they are. Each file is read as written (nothing localized). Prints the count, the refusal reasons by
 how many files they stop, and the coverage lists.
+
+    python benchmarks/axolotl_examples.py --git ... --axolotl-python .venv-axolotl/bin/python
+
+also runs Axolotl's own validation (`axolotl.utils.config.validate_config`, in its venv: .ci/axolotl-venv) on every
+file and says which of the files refused here Axolotl refuses too, and which files Axolotl refuses that pass here.
+An ImportError there (a CUDA-only package Axolotl imports while validating, e.g. ring-flash-attn) is not counted as
+a refusal.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -77,12 +85,35 @@ def stage(text: str, tmp: Path) -> str | None:
     return None
 
 
-# Keys another change owns (8-bit LoRA: load_in_8bit): dropped, to count the files that pass once that change is in.
-OTHER_CHANGE = ("load_in_8bit",)
+# Run in Axolotl's venv: validate each file given; print {path: None | "Error: message"} as JSON.
+AXOLOTL_VALIDATE = """
+import json, logging, sys, warnings, yaml
+warnings.filterwarnings("ignore"); logging.disable(logging.CRITICAL)
+from axolotl.utils.config import validate_config
+from axolotl.utils.dict import DictDefault
+out = {}
+for path in sys.argv[1:]:
+    try:  # an 8-GPU Hopper node, so that no file is refused for the machine this runs on
+        validate_config(DictDefault(yaml.safe_load(open(path))), capabilities={"bf16": True, "fp8": True, "n_gpu": 8,
+                        "compute_capability": "sm_90"}, env_capabilities={"torch_version": "2.13.0"})
+        out[path] = None
+    except ImportError:
+        out[path] = None
+    except Exception as err:
+        out[path] = type(err).__name__ + ": " + " ".join(str(err).split())
+print(json.dumps(out))
+"""
 
 
-def without_other_change(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in OTHER_CHANGE}
+def axolotl_refusals(python: str, files: dict[str, str], tmp: Path) -> dict[str, str]:
+    """{example name: Axolotl's own refusal} for the files Axolotl's validation refuses."""
+    paths = {}
+    for i, (name, text) in enumerate(files.items()):
+        paths[str(tmp / f"{i}.yml")] = name
+        (tmp / f"{i}.yml").write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"AXOLOTL_DO_NOT_TRACK": "1"}
+    out = subprocess.run([python, "-c", AXOLOTL_VALIDATE, *paths], capture_output=True, text=True, env=env, check=True)
+    return {paths[p]: why for p, why in json.loads(out.stdout.strip().splitlines()[-1]).items() if why}
 
 
 def reasons(message: str) -> list[str]:
@@ -102,9 +133,10 @@ def main() -> None:
     src.add_argument("--dir", help="an examples/ folder")
     ap.add_argument("--ours", default=str(Path(__file__).resolve().parent.parent / "tests" / "axolotl_configs"))
     ap.add_argument("--show", type=int, default=30, help="refusal reasons to list")
+    ap.add_argument("--axolotl-python", help="the python of Axolotl's venv: compare with Axolotl's own validation")
     args = ap.parse_args()
     files = example_files(args)
-    passed, stopped, theirs, later = [], collections.Counter(), set(), []
+    passed, stopped, theirs, refused = [], collections.Counter(), set(), {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
             try:
@@ -118,16 +150,25 @@ def main() -> None:
                 passed.append(name)
             else:
                 stopped.update(reasons(message))
-                if isinstance(cfg, dict) and stage(yaml.safe_dump(without_other_change(cfg)), Path(tmp)) is None:
-                    later.append(name)
+                refused[name] = reasons(message)
     ours = set()
     for path in sorted(Path(args.ours).glob("*.yml")):
         ours |= uses(yaml.safe_load(path.read_text()))
     print(f"{len(passed)} of {len(files)} Axolotl example YAMLs pass nd-parallel train's config stage")
-    print(f"{len(passed) + len(later)} of {len(files)} pass once {', '.join(OTHER_CHANGE)} is accepted")
     print(f"\nrefused keys/values, by the number of files they stop (top {args.show}):")
     for reason, n in stopped.most_common(args.show):
         print(f"  {n:4d}  {reason}")
+    if args.axolotl_python:
+        with tempfile.TemporaryDirectory() as tmp:
+            theirs_refused = axolotl_refusals(args.axolotl_python, files, Path(tmp))
+        both = sorted(set(theirs_refused) & set(refused))
+        print(f"\nAxolotl's own validation refuses {len(theirs_refused)} of the {len(files)}; of the {len(refused)} "
+              f"refused here, {len(both)} are refused by Axolotl too:")
+        for name in both:
+            print(f"  {name}: here {', '.join(refused[name])}; Axolotl: {theirs_refused[name][:160]}")
+        print("refused by Axolotl, passed here:")
+        for name in sorted(set(theirs_refused) - set(refused)):
+            print(f"  {name}: Axolotl: {theirs_refused[name][:160]}")
     missing = sorted(theirs - ours)
     print(f"\ncoverage: our {len(list(Path(args.ours).glob('*.yml')))} test YAMLs use {len(theirs & ours)} of the "
           f"{len(theirs)} keys/values the examples use; not used by ours ({len(missing)}):")

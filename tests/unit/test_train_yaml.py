@@ -330,3 +330,12 @@ def test_bad_input_stops_before_any_rank_with_file_record_and_fix(tmp_path, data
     for needle in want:
         assert needle in err, (needle, err)
     assert not (tmp_path / "model-out").exists()  # stopped in the parent: no rank started, nothing written
+
+
+def test_tokens_as_a_mapping_is_refused_not_added_by_its_key_names(tmp_path, data):
+    """Older Axolotl examples write special tokens under `tokens:` as a mapping; adding that "list" would have added
+    the key names ('pad_token', ...) as new tokens. Axolotl 0.19 refuses it too; the fix names special_tokens."""
+    path = real_world(tmp_path, data)
+    open(path, "a").write("tokens:\n  pad_token: '<pad>'\n")
+    with pytest.raises(ConfigError, match=r"tokens=\{'pad_token': '<pad>'\} is a mapping.*special_tokens:"):
+        load_train_config(path)
