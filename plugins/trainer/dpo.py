@@ -45,46 +45,60 @@ logger = logging.getLogger("nd_parallel")
 BATCH_MIXING_LOSSES = ("aot", "aot_unpaired", "sft")
 
 
+def is_trl_trainer(trainer, name: str) -> bool:
+    return any(cls.__name__ == name and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+
+
 def is_dpo_trainer(trainer) -> bool:
-    return any(cls.__name__ == "DPOTrainer" and cls.__module__.startswith("trl.") for cls in type(trainer).__mro__)
+    return is_trl_trainer(trainer, "DPOTrainer")
 
 
 def check_dpo_args(trainer, config) -> None:
     """DPOTrainer options that cannot give one process's loss and gradients under ``config``: refused with the fix."""
     args = trainer.args
-    where = config.describe()
-    if config.pp_size > 1:
-        raise NotImplementedError(
-            f"TRL DPOTrainer under pp_size={config.pp_size}: it sums each sequence's per-token log-probs from the "
-            "model's fused head, which a pipeline's stages do not return; use dp_shard_size / dp_replicate_size / "
-            "tp_size / cp_size / ep_size for DPO")
     losses = args.loss_type if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
     mixing = [t for t in losses if t in BATCH_MIXING_LOSSES]
-    aux = aux_loss_enabled(trainer)
-    refusals = [
+    refuse_trl_options(trainer, config, "DPOTrainer", [
         (bool(mixing) and config.dp_size > 1, f"loss_type={mixing!r}",
          "it sorts or averages over this rank's batch, which the dp ranks split; use a per-pair loss (sigmoid, "
          "hinge, ipo, ...) or one data-parallel rank"),
+        (bool(getattr(args, "padding_free", False)), "padding_free=True",
+         "one packed row per rank is not verified under a layout; use padding_free=False")])
+
+
+def refuse_trl_options(trainer, config, name: str, own: list) -> None:
+    """Refuse, before any collective, the first of ``own`` + the options every TRL preference trainer shares here:
+    pipeline parallelism, log-probs precomputed in __init__, a reference synced from the policy, the MoE router's
+    auxiliary loss under dp or cp. Each item: (bad, what, fix)."""
+    args = trainer.args
+    if config.pp_size > 1:
+        raise NotImplementedError(
+            f"TRL {name} under pp_size={config.pp_size}: it sums each sequence's per-token log-probs from the "
+            f"model's fused head, which a pipeline's stages do not return; use dp_shard_size / dp_replicate_size / "
+            f"tp_size / cp_size / ep_size for {name.removesuffix('Trainer')}")
+    aux = aux_loss_enabled(trainer)
+    refusals = own + [
         (bool(getattr(args, "precompute_ref_log_probs", False)), "precompute_ref_log_probs=True",
-         "it runs inside DPOTrainer.__init__, before the layout exists; leave it False (the reference forward "
+         f"it runs inside {name}.__init__, before the layout exists; leave it False (the reference forward "
          "then runs each step, under the layout)"),
         (bool(getattr(args, "sync_ref_model", False)), "sync_ref_model=True",
          "it mixes the policy's (sharded) weights into the reference outside the layout; leave it False"),
-        (bool(getattr(args, "padding_free", False)), "padding_free=True",
-         "one packed row per rank is not verified under a layout; use padding_free=False"),
         (aux and config.dp_size * config.cp_size > 1, "the MoE router auxiliary loss (aux_loss_enabled)",
-         "it is a load-balancing statistic of this rank's micro-batch; set DPOConfig(router_aux_loss_coef=0.0)"),
+         f"it is a load-balancing statistic of this rank's micro-batch; set {name.removesuffix('Trainer')}"
+         "Config(router_aux_loss_coef=0.0)"),
     ]
     for bad, what, fix in refusals:
         if bad:
-            raise NotImplementedError(f"TRL DPOTrainer with {what} under {where}: {fix}")
+            raise NotImplementedError(f"TRL {name} with {what} under {config.describe()}: {fix}")
 
 
 def turn_off_chunked_loss(trainer, config) -> None:
-    """TRL's fused head computes the log-probs in tiles itself; the chunked loss would take its call over."""
-    if is_dpo_trainer(trainer) and config.loss_chunk_size not in (0, None):
+    """TRL's fused head (DPOTrainer, KTOTrainer) computes the log-probs in tiles itself; the chunked loss would take
+    its call over."""
+    name = next((n for n in ("DPOTrainer", "KTOTrainer") if is_trl_trainer(trainer, n)), None)
+    if name and config.loss_chunk_size not in (0, None):
         config.loss_chunk_size = 0
-        logger.info("chunked loss off under TRL's DPOTrainer (its fused LM head computes the log-probs in tiles)")
+        logger.info(f"chunked loss off under TRL's {name} (its fused LM head computes the log-probs in tiles)")
 
 
 def adopt_dpo(trainer, plugin) -> None:
@@ -95,6 +109,13 @@ def adopt_dpo(trainer, plugin) -> None:
 
 def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """DPOTrainer.compute_loss, its loss the mean over the global batch's pairs (module docstring)."""
+    # chosen and rejected sequences are concatenated along the batch: half the rows are pairs
+    return global_mean_loss(self, model, inputs, return_outputs, inputs["input_ids"].shape[0] // 2)
+
+
+def global_mean_loss(self, model, inputs, return_outputs, count: int):
+    """The trainer class's own compute_loss, whose loss is a mean over this rank's ``count`` examples, as this rank's
+    share of the mean over the global batch's examples (``global_value_local_grad``)."""
     # CP: the fused head's per-token outputs of the whole sequence (token_outputs.py), the reference's too
     for m in (model, self.model, getattr(self, "ref_model", None)):
         if getattr(m, "_nd_parallel_cp", None) is not None:
@@ -104,8 +125,8 @@ def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=N
     config = self.nd_parallel.config
     if config.dp_size > 1:
         group = self.nd_parallel.mesh["dp"].get_group()
-        pairs = torch.tensor(inputs["input_ids"].shape[0] // 2, dtype=torch.float32, device=loss.device)
-        total = pairs.clone()
+        local = torch.tensor(count, dtype=torch.float32, device=loss.device)
+        total = local.clone()
         dist.all_reduce(total, group=group)
-        loss = global_value_local_grad(loss * (pairs / total), group)
+        loss = global_value_local_grad(loss * (local / total), group)
     return (loss, outputs) if return_outputs else loss

@@ -11,6 +11,7 @@ Axolotl config must train: two finite logged losses, the model or adapter saved,
 """
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -23,13 +24,13 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 20 of the 31 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 21 of the 32 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
            "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat", "llama3_dpo_lora_fsdp2",
-           "qwen3_qat_fsdp2"]
+           "qwen3_qat_fsdp2", "llama3_kto_lora_cp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -89,6 +90,9 @@ def _write_workspace(root: Path) -> None:
               "dispreferred": lines[i + 2] if i % 2 else [{"from": "bot", "text": lines[i + 2]}]}
              for i in range(0, 120, 3)]
     (data / "preference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs + pairs[:2]))  # 2 duplicates
+    kto = [{"prompt": lines[i], "completion": lines[i + 1], "label": i % 3 == 0, **({"system": "be brief"} if i % 4
+                                                                                    else {})} for i in range(0, 80, 2)]
+    (data / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kto))
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
 
@@ -151,10 +155,18 @@ def test_mistral_common_run_keeps_its_tokenizer(runs):
 def test_dpo_run_starts_at_the_reference(runs):
     """rl: dpo: LoRA's B starts at zero, so the policy equals the reference (the adapter disabled) at step 1 and
     DPO's sigmoid loss is exactly ln 2; the held-out pairs are evaluated."""
-    import math
-
     root, jobs = runs
     out = Path(jobs["llama3_dpo_lora_fsdp2"].train.output_dir)
     losses = [row["loss"] for row in logged(out)]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[1] != losses[0], losses
     assert (out / "eval_log.jsonl").is_file()
+
+
+def test_kto_run_starts_at_the_reference(runs):
+    """rl: kto: at step 1 the LoRA policy equals the reference, so every log-ratio and the KL estimate are 0 and each
+    example's loss is 1 - sigmoid(0) = 0.5 times its label's weight (kto_desirable_weight 2.0, undesirable 1.0)."""
+    root, jobs = runs
+    out = Path(jobs["llama3_kto_lora_cp2"].train.output_dir)
+    losses = [row["loss"] for row in logged(out)]
+    assert any(abs(losses[0] - 0.5 * w) < 1e-6 for w in (1.0, 1.5, 2.0)), losses  # 2 examples: 0, 1 or 2 desirable
+    assert losses[1] != losses[0] and all(map(math.isfinite, losses)), losses

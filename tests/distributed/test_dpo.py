@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-WORKER = "tests/distributed/dpo_worker.py"
+WORKER = "tests/distributed/preference_worker.py"
 ARGS = dict(gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0,
             max_length=48, bf16=False, beta=0.1)

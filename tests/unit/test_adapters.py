@@ -158,12 +158,11 @@ def test_pipeline_token_stats_are_the_sums_behind_accuracy_and_entropy():
     assert (valid, correct) == (2, 2)
 
 
-def _dpo(**args):
-    """A stand-in DPOTrainer (class named DPOTrainer from a 'trl.' module), without TRL."""
+def _dpo(name="DPOTrainer", **args):
+    """A stand-in TRL trainer (class named DPOTrainer / KTOTrainer from a 'trl.' module), without TRL."""
     from types import SimpleNamespace
 
-    DPOTrainer = type("DPOTrainer", (), {"__module__": "trl.trainer.dpo_trainer"})
-    trainer = DPOTrainer()
+    trainer = type(name, (), {"__module__": "trl.trainer.x_trainer"})()
     trainer.args = SimpleNamespace(**{"loss_type": ["sigmoid"], "precompute_ref_log_probs": False,
                                       "sync_ref_model": False, "padding_free": False, **args})
     trainer.aux_loss_enabled = False
@@ -186,3 +185,17 @@ def test_dpo_trainer_options_that_cannot_be_exact_are_refused(layout, change, me
         check_dpo_args(_dpo(**change), ParallelismConfig(**layout).resolve(2))
     check_dpo_args(_dpo(), ParallelismConfig(dp_shard_size=2).resolve(2))
     check_dpo_args(_dpo(loss_type=["aot"]), ParallelismConfig(tp_size=2).resolve(2))  # tp: the whole batch
+
+
+@pytest.mark.parametrize("layout,change,message", [
+    (dict(pp_size=2), {}, "KTOTrainer under pp_size=2: .*use dp_shard_size .* for KTO$"),
+    (dict(tp_size=2), dict(precompute_ref_log_probs=True), "KTOTrainer with precompute_ref_log_probs=True"),
+    (dict(dp_shard_size=2), dict(sync_ref_model=True), "KTOTrainer with sync_ref_model=True"),
+])
+def test_kto_trainer_options_that_cannot_be_exact_are_refused(layout, change, message):
+    from nd_parallel.plugins.trainer.kto import check_kto_args, is_kto_trainer
+
+    assert is_kto_trainer(_dpo("KTOTrainer")) and not is_kto_trainer(_dpo())
+    with pytest.raises(NotImplementedError, match=message):
+        check_kto_args(_dpo("KTOTrainer", **change), ParallelismConfig(**layout).resolve(2))
+    check_kto_args(_dpo("KTOTrainer"), ParallelismConfig(dp_shard_size=2).resolve(2))

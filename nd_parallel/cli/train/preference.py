@@ -1,64 +1,102 @@
-"""`rl: dpo` / `rl: ipo` in `nd-parallel train`: TRL's DPOTrainer (what Axolotl runs for them) with NDParallelCallback
-(plugins/trainer/dpo.py makes its loss the mean over the global batch's pairs), on the prompt / chosen / rejected
-strings data/preference.py renders from Axolotl's ``chat_template.default`` records.
+"""`rl: dpo` / `rl: ipo` / `rl: kto` in `nd-parallel train`: TRL's DPOTrainer / KTOTrainer (what Axolotl runs for
+them) with NDParallelCallback (plugins/trainer/dpo.py and kto.py make their loss the mean over the global batch), on
+the strings data/preference.py (prompt / chosen / rejected, from Axolotl's ``chat_template.default`` records) or
+data/kto.py (prompt / completion / label, Axolotl's KTO types) renders.
 
-Axolotl's meaning: ``rl_beta`` is DPO's beta (TRL's default 0.1 when unset), ``sequence_len`` DPOTrainer's
-``max_length`` (prompt + answer, truncated as TRL does), ``rl: ipo`` DPOTrainer with the IPO loss. The reference
-policy is the base with the adapter disabled under LoRA, or DPOTrainer's own frozen copy under full fine-tuning,
-prepared under the same layout. Axolotl's other RL trainers (kto, orpo, simpo, grpo, gdpo, ebft) are refused here.
+Axolotl's meaning: ``rl_beta`` is the trainer's beta (TRL's default 0.1 when unset), ``sequence_len`` its
+``max_length`` (prompt + answer, truncated as TRL does), ``rl: ipo`` DPOTrainer with the IPO loss,
+``kto_desirable_weight`` / ``kto_undesirable_weight`` KTO's weights of the two labels (default 1.0). The reference
+policy is the base with the adapter disabled under LoRA, or the trainer's own frozen copy under full fine-tuning,
+prepared under the same layout. Axolotl's other RL trainers (orpo, simpo, grpo, gdpo, ebft) are refused here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# rl -> DPOConfig(loss_type=...)
+from .data.kto import TYPES as KTO_TYPES
+
+# rl -> DPOConfig(loss_type=...); kto -> KTOTrainer
 LOSSES = {"dpo": ["sigmoid"], "ipo": ["ipo"]}
+RL = (*LOSSES, "kto")
 _AXOLOTL_ONLY = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
+_DPO_TYPES = ("chat_template", "chat_template.default")
 
 
 @dataclass(kw_only=True)
 class PreferenceOptions:
     rl: str | None = None
-    """dpo or ipo: train on preference pairs with TRL's DPOTrainer (preference.py); None = supervised."""
+    """dpo, ipo or kto: train on preferences with TRL's DPOTrainer / KTOTrainer (preference.py); None = supervised."""
     rl_beta: float | None = None
-    """DPO's beta, how far the policy may move from the reference (TRL's default 0.1)."""
+    """The trainer's beta, how far the policy may move from the reference (TRL's default 0.1)."""
+    kto_desirable_weight: float | None = None
+    """rl: kto: weight of the desirable examples' losses (default 1.0)."""
+    kto_undesirable_weight: float | None = None
+    """rl: kto: weight of the undesirable examples' losses (default 1.0)."""
+
+
+def _positive(d: dict, key: str, default: str) -> list[str]:
+    value = d.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        return [f"{key}={value!r}; write a number > 0 ({default})"]
+    return []
+
+
+def _type_refusals(d: dict, rl: str) -> list[str]:
+    out, entries = [], d.get("datasets") or []
+    if rl is None:  # a KTO type in a supervised run
+        return [f"datasets[{i}].type={e['type']!r} is a KTO format: set rl: kto, or use a supervised type"
+                for i, e in enumerate(entries) if isinstance(e, dict) and e.get("type") in KTO_TYPES]
+    for i, entry in enumerate(entries):
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if rl == "kto" and kind not in KTO_TYPES:
+            out.append(f"datasets[{i}].type={kind!r} with rl: kto: KTO examples are read as Axolotl's KTO types "
+                       f"({', '.join(KTO_TYPES)}); convert them, or " + _AXOLOTL_ONLY)
+        elif rl != "kto" and kind not in _DPO_TYPES:
+            out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: preference records are read as Axolotl's "
+                       "chat_template.default (field_messages, field_chosen, field_rejected); convert them, or "
+                       + _AXOLOTL_ONLY)
+    return out
 
 
 def rl_refusals(d: dict, layout) -> list[str]:
     """Refusal lines for ``rl`` and what it cannot combine with, in the config stage."""
     rl = d.get("rl")
     if rl is None:
-        return []
-    if rl not in LOSSES:
-        return [f"rl={rl!r}: nd-parallel train runs rl: dpo and rl: ipo (TRL's DPOTrainer); for Axolotl's other "
-                f"RL trainers {_AXOLOTL_ONLY}"]
-    out = []
-    beta = d.get("rl_beta")
-    if beta is not None and (isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0):
-        out.append(f"rl_beta={beta!r}; write a number > 0 (TRL's default 0.1)")
+        return _type_refusals(d, None)
+    if rl not in RL:
+        return [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer) and kto (TRL's KTOTrainer); "
+                f"for Axolotl's other RL trainers {_AXOLOTL_ONLY}"]
+    out = _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl)
+    if rl == "kto":
+        out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
+                                                                               "default 1.0")
+        if isinstance(d.get("micro_batch_size") or 1, int) and (d.get("micro_batch_size") or 1) < 2:  # TRL's own rule, raised on the ranks otherwise
+            out.append(f"micro_batch_size={d.get('micro_batch_size', 1)} with rl: kto: KTO estimates its KL term "
+                       "from the other examples of a micro-batch; set micro_batch_size: 2 or more")
+    else:
+        for key in ("kto_desirable_weight", "kto_undesirable_weight"):
+            if d.get(key) is not None:
+                out.append(f"{key} with rl: {rl}: it weighs KTO's examples; drop it or set rl: kto")
     if d.get("sample_packing"):
-        out.append(f"sample_packing=True with rl: {rl}: DPO's pairs are not packed; drop sample_packing")
-    for i, entry in enumerate(d.get("datasets") or []):
-        kind = entry.get("type") if isinstance(entry, dict) else None
-        if kind not in ("chat_template", "chat_template.default"):
-            out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: preference records are read as Axolotl's "
-                       "chat_template.default (field_messages, field_chosen, field_rejected); convert them, or "
-                       + _AXOLOTL_ONLY)
-    if layout is not None:
-        if layout.pp_size > 1:
-            out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: DPO sums each sequence's "
-                       "per-token log-probs, which a pipeline's stages do not return; use dp_shard_size, "
-                       "tensor_parallel_size, context_parallel_size or expert_parallel_size")
+        out.append(f"sample_packing=True with rl: {rl}: preference examples are not packed; drop sample_packing")
+    if layout is not None and layout.pp_size > 1:
+        out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: {rl.upper()} sums each sequence's "
+                   "per-token log-probs, which a pipeline's stages do not return; use dp_shard_size, "
+                   "tensor_parallel_size, context_parallel_size or expert_parallel_size")
     return out
 
 
-def dpo_trainer(t, trainer_args: dict, **kwargs):
-    """TRL's DPOTrainer for ``t`` (a TrainConfig with rl set): the Trainer's arguments plus DPO's."""
-    from trl import DPOConfig, DPOTrainer
+def preference_trainer(t, trainer_args: dict, **kwargs):
+    """TRL's DPOTrainer / KTOTrainer for ``t`` (a TrainConfig with rl set): the Trainer's arguments plus its own."""
+    import trl
 
-    # DPOConfig turns checkpointing on by default; the YAML's gradient_checkpointing already reached the layout
-    checkpointing = {"gradient_checkpointing": False, "activation_checkpointing": False}
-    args = DPOConfig(**{**checkpointing, **trainer_args}, beta=0.1 if t.rl_beta is None else float(t.rl_beta),
-                     loss_type=LOSSES[t.rl], max_length=t.sequence_len, dataset_num_proc=None)
-    return DPOTrainer(args=args, **kwargs)
+    # TRL's configs turn checkpointing on by default; the YAML's gradient_checkpointing already reached the layout
+    common = {"gradient_checkpointing": False, "activation_checkpointing": False, **trainer_args,
+              "beta": 0.1 if t.rl_beta is None else float(t.rl_beta), "max_length": t.sequence_len,
+              "dataset_num_proc": None}
+    if t.rl == "kto":
+        args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
+                             undesirable_weight=float(t.kto_undesirable_weight or 1.0))
+        return trl.KTOTrainer(args=args, **kwargs)
+    return trl.DPOTrainer(args=trl.DPOConfig(**common, loss_type=LOSSES[t.rl]), **kwargs)

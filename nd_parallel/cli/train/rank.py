@@ -155,7 +155,7 @@ def _run_train(job: TrainJob) -> dict:
 
     from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, fake_quant_after, user_callbacks, watchdog
     from .data import Collator, load_prepared
-    from .preference import dpo_trainer
+    from .preference import preference_trainer
 
     t = job.train
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -166,8 +166,8 @@ def _run_train(job: TrainJob) -> dict:
     pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
-    if t.rl:  # preference pairs: TRL's DPOTrainer tokenizes and collates them itself (preference.py)
-        trainer = dpo_trainer(t, job.trainer_args, **parts)
+    if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer tokenizes and collates them itself (preference.py)
+        trainer = preference_trainer(t, job.trainer_args, **parts)
     else:
         trainer = Trainer(args=TrainingArguments(**job.trainer_args),
                           data_collator=Collator(tokenizer.pad_token_id, pad_to), **parts)

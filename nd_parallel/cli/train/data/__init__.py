@@ -24,6 +24,7 @@ from . import mistral
 from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
 from .packing import pack_fn
+from .kto import kto_fn
 from .preference import preference_fn
 from .sources import DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer
@@ -86,11 +87,14 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
 
 
 def _pairs(spec: DatasetSpec, tokenizer, cfg, cache: str):
-    """rl: dpo: the entry's records as prompt / chosen / rejected strings (preference.py); DPOTrainer tokenizes."""
+    """rl: the entry's records as prompt / chosen / rejected strings (dpo, ipo: preference.py) or prompt /
+    completion / label (kto: kto.py); TRL's trainer tokenizes them."""
     raw, where = load_source(spec, cache)
-    ds = raw.map(preference_fn(spec, tokenizer, where), batched=True, with_indices=True,
-                 remove_columns=raw.column_names, desc=f"rendering pairs of {spec.path}")
-    return ds, f"{where}: {len(raw)} records -> {len(ds)} preference pairs"
+    fn, what = (kto_fn(spec, where), "KTO examples") if cfg.rl == "kto" else (
+        preference_fn(spec, tokenizer, where), "preference pairs")
+    ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
+                 desc=f"rendering {what} of {spec.path}")
+    return ds, f"{where}: {len(raw)} records -> {len(ds)} {what}"
 
 
 def _deduplicated(ds):

@@ -16,6 +16,7 @@ from typing import Any
 from nd_parallel.config import ConfigError
 
 from . import instructions
+from .kto import TYPES as KTO_TYPES
 
 TYPES = ("completion", "alpaca", "chat_template", "pretraining", "tokenized")
 # Axolotl's instruction types besides alpaca (instructions.py): alpaca:<style>, alpaca_chat, jeopardy[:<style>].
@@ -154,7 +155,8 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     kind = entry.get("type", "completion")
     if kind is None:  # Axolotl: `type:` left empty reads a dataset that is already tokenized
         kind = entry["type"] = "tokenized"
-    known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind))
+    known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind)
+                                       or kind in KTO_TYPES)  # rl: kto's formats (kto.py; rl_refusals pairs them)
     if not known:
         fix = instructions.problem(kind) if isinstance(kind, str) else None
         if kind == "sharegpt":
