@@ -26,7 +26,8 @@ Trainer habits still have to be turned, on this one Trainer instance:
   prepared one (``model_wrapped``), whose ``eval()`` + ``no_grad`` forward runs the forward-only schedule.
 
 TRL's SFTTrainer computes its loss and metrics itself: sft.py turns them (check_sft_args before any collective,
-adopt_sft after the habits above); its DPOTrainer a mean over pairs: dpo.py (check_dpo_args, adopt_dpo); its KTOTrainer a mean over examples: kto.py.
+adopt_sft after the habits above); its DPOTrainer a mean over pairs: dpo.py (check_dpo_args, adopt_dpo); its
+KTOTrainer a mean over examples: kto.py.
 
 TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
 master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,

@@ -1,13 +1,14 @@
 """TRL KTOTrainer rows: an unchanged KTOTrainer with NDParallelCallback matches KTOTrainer in one process.
 
-One launch of 2 ranks runs FSDP2 (LoRA and full fine-tuning), TP2 (LoRA) and CP2 (LoRA and full) rows, as test_dpo.py does for DPO
-(plugins/trainer/kto.py: the loss as the mean over the global batch's examples; the fused head's log-probs as for
-DPO). Same data (prompt / completion / label, both labels mixed), seed, gradient accumulation (2), KTO loss (beta 0.1,
-desirable_weight 1.5) and linear schedule; the one-process KTOTrainer's per-device batch is the layout's global
-batch. KTOTrainer fixes which completion its KL estimate pairs with each prompt when it prepares the data (rotated
-within blocks of per_device_train_batch_size rows), so the one-process reference prepares its data with the rank's
-per-device batch (``prepare_batch``): both then estimate the KL term on the same mismatched pairs. Compared: every
-logged loss, grad norm and KL estimate (rtol 1e-5), the chosen log-probs and the evaluations from step 2 on, every
+One launch of 2 ranks runs FSDP2 (LoRA and full fine-tuning), TP2 (LoRA) and CP2 (LoRA and full) rows, as
+test_dpo.py does for DPO (plugins/trainer/kto.py: the loss as the mean over the global batch's examples; the fused
+head's log-probs as for DPO). Same data (prompt / completion / label, both labels mixed), seed, gradient
+accumulation (2), KTO loss (beta 0.1, desirable_weight 1.5) and linear schedule; the one-process KTOTrainer's
+per-device batch is the layout's global batch. KTOTrainer fixes which completion its KL estimate pairs with each
+prompt when it prepares the data (rotated within blocks of per_device_train_batch_size rows), so the one-process
+reference prepares its data with the rank's per-device batch (``prepare_batch``): both then estimate the KL term on
+the same mismatched pairs. Compared: every logged loss and grad norm (rtol 1e-5), the log-probs and the evaluations
+from step 2 on (rtol 1e-5), the KL estimates (4 fp32 ulps of the log-prob sums they are differences of), every
 parameter at the end (atol 1e-5). lr 1e-3, for the reason test_dpo.py gives (a difference of log-prob gradients).
 """
 

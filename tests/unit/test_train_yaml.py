@@ -337,5 +337,5 @@ def test_tokens_as_a_mapping_is_refused_not_added_by_its_key_names(tmp_path, dat
     the key names ('pad_token', ...) as new tokens. Axolotl 0.19 refuses it too; the fix names special_tokens."""
     path = real_world(tmp_path, data)
     open(path, "a").write("tokens:\n  pad_token: '<pad>'\n")
-    with pytest.raises(ConfigError, match=r"tokens=\{'pad_token': '<pad>'\} is a mapping.*special_tokens:"):
+    with pytest.raises(ConfigError, match=r"tokens=\{'pad_token': '<pad>'\}; write a list of strings of new tokens .*special_tokens:"):
         load_train_config(path)

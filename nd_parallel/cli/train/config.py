@@ -313,12 +313,10 @@ def _types(d: dict) -> list[str]:
             out.append(f"{key}={d[key]!r}; use true or false")
     if d.get("model_config") is not None and not isinstance(d["model_config"], dict):
         out.append(f"model_config={d['model_config']!r}; write a mapping of config attributes")
-    if isinstance(d.get("tokens"), dict):  # older Axolotl examples; Axolotl 0.19 refuses it too (tokens: list)
-        out.append(f"tokens={d['tokens']!r} is a mapping: tokens lists new tokens to add; name the pad/bos/eos/unk "
-                   "tokens under special_tokens: instead")
-    for key in ("unfrozen_parameters", "eot_tokens", "tokens"):
+    for key in ("unfrozen_parameters", "eot_tokens", "tokens"):  # tokens as a mapping: old examples (Axolotl refuses)
         if d.get(key) is not None and not (isinstance(d[key], list) and all(isinstance(x, str) for x in d[key])):
-            out.append(f"{key}={d[key]!r}; write a list of strings")
+            hint = " of new tokens (pad/bos/eos/unk tokens go under special_tokens:)" * (key == "tokens")
+            out.append(f"{key}={d[key]!r}; write a list of strings{hint}")
     for pattern in d.get("unfrozen_parameters") or []:
         if re.match(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$", str(pattern)):  # Axolotl's "name[start:end]" rows
             out.append(f"unfrozen_parameters: {pattern!r} unfreezes rows of a parameter (through gradient hooks, "

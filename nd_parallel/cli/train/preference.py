@@ -71,8 +71,9 @@ def rl_refusals(d: dict, layout) -> list[str]:
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
                                                                                "default 1.0")
-        if isinstance(d.get("micro_batch_size") or 1, int) and (d.get("micro_batch_size") or 1) < 2:  # TRL's own rule, raised on the ranks otherwise
-            out.append(f"micro_batch_size={d.get('micro_batch_size', 1)} with rl: kto: KTO estimates its KL term "
+        batch = d.get("micro_batch_size") or 1
+        if isinstance(batch, int) and batch < 2:  # TRL's own rule, which KTOTrainer raises on the ranks
+            out.append(f"micro_batch_size={batch} with rl: kto: KTO estimates its KL term "
                        "from the other examples of a micro-batch; set micro_batch_size: 2 or more")
     else:
         for key in ("kto_desirable_weight", "kto_undesirable_weight"):

@@ -23,8 +23,8 @@ from nd_parallel.config import ConfigError
 from . import mistral
 from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
-from .packing import pack_fn
 from .kto import kto_fn
+from .packing import pack_fn
 from .preference import preference_fn
 from .sources import DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer

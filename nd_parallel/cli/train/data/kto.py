@@ -20,12 +20,7 @@ strings are Llama 3's and ChatML's documented chat formats.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from nd_parallel.config import ConfigError
-
-if TYPE_CHECKING:
-    from .sources import DatasetSpec
 
 # template -> (system turn, user turn + assistant header, end of the completion); {text} is the turn's text
 TEMPLATES = {
@@ -59,8 +54,9 @@ def _texts(rec: dict, strategy: str, where: str, i: int) -> tuple[str, str]:
     return user, answer
 
 
-def kto_fn(spec: DatasetSpec, where: str):
-    """A batched `map` function (with_indices=True): records -> prompt / completion / label."""
+def kto_fn(spec, where: str):
+    """A batched `map` function (with_indices=True) for ``spec`` (a DatasetSpec whose type is one of ``TYPES``):
+    records -> prompt / completion / label."""
     template, strategy = spec.type.split(".", 1)
     system_turn, user_turn, end = TEMPLATES[template]
 
