@@ -1,6 +1,6 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
-Variants: completion (full fine-tuning, val_set_size + eval every 2 steps), alpaca + LoRA, chat_template with
+Variants: completion (full fine-tuning, val_set_size + eval every 2 steps), alpaca + LoRA (curriculum_sampling), chat_template with
 sample packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
 (gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2, linear
 LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 20 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
@@ -34,7 +34,7 @@ def _variants(data):
     alpaca = {"path": data["alpaca"], "ds_type": "json", "type": "alpaca"}
     return {
         "completion": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25, eval_steps=2),
-        "alpaca_lora": dict(datasets=[alpaca], **LORA),
+        "alpaca_lora": dict(datasets=[alpaca], curriculum_sampling=True, **LORA),  # in order: the sequential sampler
         "chat_packed": dict(datasets=[chat_entry(data["chat"])], sample_packing=True),
         "mixed_packed_lora": dict(datasets=[alpaca, chat_entry(data["chat"])], sample_packing=True, **LORA),
         # the keys of the real-world LoRA YAML (tests/unit/test_train_yaml.py) that change what a run does; no

@@ -201,3 +201,13 @@ def test_empty_optimizer_and_scheduler_are_the_defaults(tmp_path, data):
     cfg = _config(tmp_path, data, optimizer=None, lr_scheduler=None)
     assert (cfg.optimizer, cfg.lr_scheduler) == ("adamw_torch", "cosine")
     assert "optimizer='sgd'" in _refusal(tmp_path, data, optimizer="sgd")
+
+
+def test_curriculum_sampling_trains_in_order(tmp_path, data):
+    """curriculum_sampling: the Trainer's sequential sampler (Axolotl's SequentialSampler), not a shuffled one;
+    sample_packing_sequentially is accepted (packing here is in sample order already). Parity under FSDP2 / TP2 / PP2
+    / CP2: tests/distributed/test_train_yaml_parity.py (alpaca_lora)."""
+    cfg = _config(tmp_path, data, curriculum_sampling=True, sample_packing=True, sample_packing_sequentially=True)
+    args = trainer_arguments(cfg, "x", train_rows=40, eval_rows=0, dp=2)
+    assert args["train_sampling_strategy"] == "sequential"
+    assert "train_sampling_strategy" not in trainer_arguments(_config(tmp_path, data), "x", 40, 0, 2)

@@ -52,6 +52,11 @@ class AxolotlExtras:
     save_only_model: bool = False
     """Checkpoints hold the model only (a from_pretrained directory, or the adapter): no optimizer, scheduler or RNG
     state, so they cannot be resumed (the Trainer's save_only_model)."""
+    curriculum_sampling: bool = False
+    """Train on the samples (or packed rows) in the order they are prepared, not shuffled (the Trainer's sequential
+    sampler; Axolotl's meaning). Several datasets are still mixed when shuffle_merged_datasets is on, as in Axolotl."""
+    sample_packing_sequentially: bool | None = None
+    """Accepted as read: packing here always lays samples into rows in their order (next-fit), what true asks for."""
     lr_quadratic_warmup: bool = False
     """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
     get_cosine_schedule_with_quadratic_warmup; schedules.py)."""

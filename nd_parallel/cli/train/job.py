@@ -172,6 +172,8 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         args["save_steps"] = save_every or 500
     if cfg.early_stopping_patience:  # Axolotl: load_best_model_at_end on eval_loss (the Trainer's default metric)
         args["load_best_model_at_end"] = True
+    if cfg.curriculum_sampling:  # Axolotl's SequentialSampler; the dp ranks take consecutive parts of each batch
+        args["train_sampling_strategy"] = "sequential"
     if cfg.save_only_model:  # checkpoints: the model only (plugins/trainer/adopt.py writes it whole)
         args["save_only_model"] = True
     if cfg.tf32 is True and torch.cuda.is_available():  # TF32 exists on CUDA only; on CPU ranks the key is a no-op

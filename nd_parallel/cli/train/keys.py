@@ -63,7 +63,6 @@ REFUSED = {
     "relora": "ReLoRA is not implemented: use adapter: lora",
     "lisa_n_layers": "LISA is not implemented: use adapter: lora",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
-    "curriculum_sampling": "drop it (samples are shuffled)",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
     "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
