@@ -50,8 +50,9 @@ def test_pretraining_dataset_is_the_one_streamed_entry(tmp_path, data):
     assert cfg.streaming_multipack_buffer_size == 64  # the older name, moved
     assert cfg.pretraining_dataset == [{"path": data["big"], "name": "en", "type": "pretrain", "text_column": "body",
                                         "split": "train", "skip": 5}]
-    plain = _load(tmp_path, data, pretraining_dataset=data["big"])  # Axolotl's string form
+    plain = _load(tmp_path, data, pretraining_dataset=data["big"], num_epochs=4)  # Axolotl's string form
     assert plain.datasets[0].path == data["big"] and plain.datasets[0].field == "text"
+    assert any("num_epochs=4: a stream runs for max_steps" in n for n in plain.notes), plain.notes
 
 
 def test_streaming_and_reinit_keys_are_read(tmp_path, data):
@@ -185,3 +186,25 @@ def test_reinit_weights_is_the_seeded_init_and_reads_no_weights(tmp_path, data, 
     ref = dict(loaded.named_parameters())
     assert not torch.equal(a.get_parameter("model.layers.0.mlp.up_proj.weight"),
                            ref["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_hub_name_is_opened_as_axolotl_opens_it(monkeypatch):
+    """Not a local path: datasets.load_dataset(path, name=, split=, data_files=, streaming=True), as Axolotl's
+    _load_streaming_dataset calls it (no hub here: the call is recorded)."""
+    import datasets
+
+    from nd_parallel.cli.train.data.sources import DatasetSpec, open_stream
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or "stream")
+    stream, where = open_stream(DatasetSpec(path="allenai/c4", type="pretraining", name="en", split="train"))
+    assert stream == "stream" and calls == [(("allenai/c4",), {"name": "en", "split": "train", "data_files": None,
+                                                               "streaming": True})]
+    assert where == "allenai/c4 (en, train, streamed)"
+
+    def offline(*a, **k):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConfigError, match="cannot stream the dataset 'allenai/c4' .*offline; check the hub name"):
+        open_stream(DatasetSpec(path="allenai/c4", name="en"))

@@ -15,7 +15,6 @@ the run's seed (the same weights on every rank and layout); the checkpoint's wei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from .data.sources import suggest
 
@@ -145,13 +144,9 @@ def _streaming_rules(d: dict) -> list[str]:
 def streaming_notes(d: dict) -> list[str]:
     """One line per key read other than as written."""
     notes = []
-    if d.get("streaming") and d.get("num_epochs") not in (None, 1):
+    if (d.get("streaming") or d.get("pretraining_dataset")) and d.get("num_epochs") not in (None, 1):
         notes.append(f"num_epochs={d['num_epochs']}: a stream runs for max_steps (as in Axolotl)")
     if d.get("reinit_weights"):
         notes.append("reinit_weights: the model starts from its config's own random init (seed "
                      f"{d.get('seed', 42)}); the checkpoint's weights are not read")
     return notes
-
-
-def is_streamed(cfg: Any) -> bool:
-    return bool(getattr(cfg, "streaming", False))
