@@ -162,24 +162,23 @@ def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
 
 
 def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, data):
-    """Keys Axolotl's examples use that came after 0.19, streaming and RL trainers other than DPO: one message, each
-    with its reason (not the generic unknown-key list)."""
+    """Keys Axolotl's examples use that came after 0.19 and RL trainers other than DPO: one message, each with its
+    reason (not the generic unknown-key list)."""
     keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
-                llmcompressor={"recipe": {}}, streaming=True, rl="orpo")
+                llmcompressor={"recipe": {}}, rl="orpo")
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
-    assert "6 setting(s) cannot be used" in message and "valid keys are" not in message, message
+    assert "5 setting(s) cannot be used" in message and "valid keys are" not in message, message
     for needle in ("pre-quantized checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
-                   "llm-compressor recipes", "nothing is streamed",
-                   "rl='orpo': nd-parallel train runs rl: dpo and rl: ipo"):
+                   "llm-compressor recipes", "rl='orpo': nd-parallel train runs rl: dpo and rl: ipo"):
         assert needle in message, (needle, message)
 
 
 def test_pretraining_dataset_alone_is_one_line(tmp_path, data):
-    """Axolotl's streamed pretraining_dataset without datasets: its own refusal, not also 'give the data as'."""
+    """Axolotl's streamed pretraining_dataset without max_steps: Axolotl's refusal, not also 'give the data as'."""
     path = write_yaml(tmp_path / "c.yml", {"base_model": data["model"], "pretraining_dataset": [{"path": "x"}]})
     with pytest.raises(ConfigError) as err:
         load_train_config(path, environ={})
     message = str(err.value)
-    assert "1 setting(s) cannot be used" in message and "type: pretraining (local data only)" in message, message
+    assert "1 setting(s) cannot be used" in message and "pretraining_dataset without max_steps" in message, message

@@ -25,10 +25,11 @@ from .extras import AxolotlExtras, extra_refusals, extras_notes
 from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
+from .streaming import StreamingOptions
 
 
 @dataclass(kw_only=True)
-class TrainConfig(PreferenceOptions, AxolotlExtras):
+class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
 
     # --- model

@@ -18,6 +18,7 @@ from typing import Any
 from nd_parallel.config import ConfigError
 
 from .data import mistral
+from .streaming import streaming_notes, streaming_refusals
 
 # transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").
 EXPERTS = ("eager", "grouped_mm", "batched_mm")
@@ -73,7 +74,7 @@ class AxolotlExtras:
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
-    out = []
+    out = streaming_refusals(d)  # pretraining_dataset becomes the streamed datasets entry (streaming.py)
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common"):
@@ -263,7 +264,8 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
-    return [note for note in (experts_note(d.get("experts_implementation")), batch_note(d)) if note]
+    notes = [note for note in (experts_note(d.get("experts_implementation")), batch_note(d)) if note]
+    return notes + streaming_notes(d)
 
 
 def experts_note(impl: str | None) -> str | None:

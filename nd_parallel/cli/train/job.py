@@ -211,7 +211,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     check_layout_rules(cfg, path)
     check_installed(cfg.optimizer, path)
     check_layout(cfg, layout, path)
-    prepared = prepare(cfg, workdir)
+    prepared = prepare(cfg, workdir, dp=layout.dp_size)  # a stream is read for this many dp ranks' batches
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:
         raise ConfigError(f"{path}: {prepared.train_rows} training samples, but one micro-batch over "

@@ -49,10 +49,7 @@ REFUSED = {
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
-    "pretraining_dataset": "list the files under datasets: with type: pretraining (local data only)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "streaming": "datasets are read from local files and tokenized before training here (nothing is streamed): "
-                 "drop it (max_steps works without it)",
     "group_by_length": "drop it (samples are shuffled, not grouped by length)",
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",

@@ -48,7 +48,8 @@ def _model(t: TrainConfig, tokenizer):
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
     with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
-        model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra)  # fp32 master
+        model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
+                 else AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
@@ -72,6 +73,21 @@ def _model(t: TrainConfig, tokenizer):
     return get_peft_model(model, LoraConfig(
         r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
         modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t)))
+
+
+def _from_config(t: TrainConfig, extra: dict):
+    """Axolotl's reinit_weights: the checkpoint's config (base_model_config, model_config applied) built with the
+    model's own _init_weights under the run's seed (set in _model before), the same weights on every rank and in one
+    process, in fp32. No weight file is opened (nor the memory-efficient path's lazy checkpoint: there is none)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trust = {k: extra.pop(k) for k in ("trust_remote_code",) if k in extra}
+    revision = {k: extra.pop(k) for k in ("revision",) if k in extra}
+    config = extra.pop("config", None) or AutoConfig.from_pretrained(t.base_model, **trust, **revision)
+    for key, value in (t.model_config or {}).items():  # from_pretrained would set these on the config
+        setattr(config, key, extra.pop(key, value))
+    kwargs = {k: extra[k] for k in ("attn_implementation", "experts_implementation") if k in extra}
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **trust, **kwargs)
 
 
 def freeze_except(model, patterns: list[str]) -> None:

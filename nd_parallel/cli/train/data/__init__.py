@@ -4,6 +4,8 @@
     train, eval_, tokenizer = load_prepared(prepared.path)   # what every rank does
     samples, how = build_samples(model_dir, [DatasetSpec(path)], 64)   # tensors, for an Accelerate loop
 
+Streamed data (`streaming: true`, `pretraining_dataset`) takes streamed.py's path instead.
+
 Order (Axolotl's): read each `datasets:` entry -> tokenize it with `map` (formats.py) -> drop samples longer than
 sequence_len -> merge and shuffle -> drop exact duplicates (dataset_exact_deduplication) -> hold out val_set_size
 -> pack (packing.py). The result is saved under
@@ -120,13 +122,19 @@ def _split(ds, cfg):
     return split["train"], split["test"]
 
 
-def prepare(cfg, workdir: str | os.PathLike) -> Prepared:
-    """Tokenize, filter, mix, split and pack the YAML's data; see the module docstring."""
+def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
+    """Tokenize, filter, mix, split and pack the YAML's data; see the module docstring. A streamed run
+    (streaming.py) reads only the rows of its max_steps global batches over `dp` data-parallel ranks."""
     import datasets
 
     datasets.disable_progress_bars()
     tokenizer, how = load_tokenizer(cfg)
     check_sequence_len(cfg)
+    if cfg.streaming:  # never cached: a stream (a hub dataset) is read again every run, as in Axolotl
+        from .streamed import prepare_streamed
+
+        path, lines, rows = prepare_streamed(cfg, tokenizer, Path(workdir), dp)
+        return Prepared(path, how, lines, rows, 0)
     key = _fingerprint(cfg, tokenizer)
     root = Path(cfg.dataset_prepared_path) if cfg.dataset_prepared_path else Path(workdir) / "prepared"
     out = root / key

@@ -80,6 +80,10 @@ class DatasetSpec:
     """rl: dpo: the column holding the preferred answer (data/preference.py)."""
     field_rejected: str = "rejected"
     """rl: dpo: the column holding the other answer."""
+    name: str | None = None
+    """Streamed data only (streaming: true, pretraining_dataset): the hub dataset's configuration, e.g. "en"."""
+    skip: int = 0
+    """Streamed data only: records left out at the stream's start (Axolotl's pretraining_dataset skip)."""
     base_dir: str = ""
     """Directory relative paths are resolved against (the working directory, as in Axolotl); not a YAML key."""
 
@@ -109,7 +113,7 @@ class DatasetSpec:
 
 _KEYS = {f.name for f in dataclasses.fields(DatasetSpec)} - {"base_dir"}
 # Keys Axolotl accepts in an entry that change nothing here when left at their default.
-_INERT = {"name": None, "shards": None, "revision": None, "trust_remote_code": False,
+_INERT = {"shards": None, "revision": None, "trust_remote_code": False,
           "preprocess_shards": None, "conversation": None, "train_on_split": None}
 
 
@@ -268,3 +272,34 @@ def load_source(spec: DatasetSpec, cache_dir: str):
 def _sliced(loaded, spec: DatasetSpec, where: str):
     picked = slice_rows(spec.split, len(loaded), where)
     return loaded if picked is None else loaded.select(picked)
+
+
+def open_stream(spec: DatasetSpec):
+    """The spec's records as a `datasets.IterableDataset` (streaming=True: read as they are iterated, never the whole
+    corpus first), plus where they come from. An existing local path is read from its files (or its `save_to_disk`
+    folder); any other path is a hub dataset name, opened with its `name` and `split` as Axolotl opens it."""
+    import datasets
+
+    root = spec.resolved
+    if root.exists() or Path(spec.path).suffix in DS_TYPES or spec.path.startswith((".", "/", "~")):
+        if root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
+                                                          or (root / "dataset_dict.json").is_file()):
+            loaded = datasets.load_from_disk(str(root))
+            if isinstance(loaded, datasets.DatasetDict):
+                loaded = loaded[parse_split(spec.split)[0]]
+            return loaded.to_iterable_dataset(), str(root)
+        files = _files(spec)  # a path that does not exist is refused here, naming it
+        kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
+        if len(kinds) != 1 or None in kinds:
+            raise ConfigError(f"{spec.path}: cannot tell the format of {', '.join(map(str, files))}; set ds_type")
+        stream = datasets.load_dataset(kinds.pop(), data_files={"train": [str(f) for f in files]}, split="train",
+                                       streaming=True)
+        return stream, ", ".join(map(str, files))
+    try:
+        stream = datasets.load_dataset(spec.path, name=spec.name, split=spec.split, data_files=spec.data_files,
+                                       streaming=True)
+    except Exception as err:  # the hub's own message (no network, no such dataset, split or configuration)
+        raise ConfigError(f"cannot stream the dataset {spec.path!r} (name={spec.name!r}, split={spec.split!r}): "
+                          f"{err}; check the hub name, its configuration and split, or point 'path' at local files"
+                          ) from None
+    return stream, f"{spec.path} ({spec.name or 'default'}, {spec.split}, streamed)"
