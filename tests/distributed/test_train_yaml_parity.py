@@ -1,9 +1,10 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
-Variants: completion (full fine-tuning, val_set_size + eval every 2 steps), alpaca + LoRA (curriculum_sampling), chat_template with
+Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; and with optimizer: muon), alpaca + LoRA
+(curriculum_sampling), chat_template with
 sample packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
 (gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2, linear
-LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 20 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
+LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 24 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
 micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else
 in its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or
 adapter (atol 1e-5).
@@ -35,6 +36,8 @@ def _variants(data):
     return {
         "completion": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25, eval_steps=2),
         "alpaca_lora": dict(datasets=[alpaca], curriculum_sampling=True, **LORA),  # in order: the sequential sampler
+        # Muon orthogonalizes each whole hidden matrix, all-gathered from its FSDP / TP shards (distributed/muon.py)
+        "completion_muon": dict(datasets=[{"path": data["text"], "type": "completion"}], optimizer="muon"),
         "chat_packed": dict(datasets=[chat_entry(data["chat"])], sample_packing=True),
         "mixed_packed_lora": dict(datasets=[alpaca, chat_entry(data["chat"])], sample_packing=True, **LORA),
         # the keys of the real-world LoRA YAML (tests/unit/test_train_yaml.py) that change what a run does; no
@@ -70,7 +73,7 @@ def runs(tmp_path_factory):
     return root
 
 
-VARIANTS = ("completion", "alpaca_lora", "chat_packed", "mixed_packed_lora", "real_world_lora")
+VARIANTS = ("completion", "completion_muon", "alpaca_lora", "chat_packed", "mixed_packed_lora", "real_world_lora")
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
 EVALS = {"completion": 2, "real_world_lora": 1}  # eval_steps 2: step 2 and the last; evals_per_epoch: the last
 

@@ -16,12 +16,13 @@ from typing import Any
 from .equivalents import offload_setting
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
-              "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit")
+              "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "muon")
 # bitsandbytes' (built by the Trainer): on DTensor parameters each rank steps its local shards
 # (nd_parallel/distributed/optimizer_8bit.py); "paged" falls back to unpaged on CPU. paged_adamw_32bit is
 # bitsandbytes' AdamW with fp32 state (element-wise: a shard's step is bit-equal to one process's).
 # torchao's low-bit AdamW (built by the Trainer, as in Axolotl): its states are DTensor-aware tensor subclasses.
 TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+# muon: Muon + AdamW on sharded parameters (nd_parallel/distributed/muon.py), built by schedules.use_muon.
 BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")

@@ -187,6 +187,10 @@ def _run_train(job: TrainJob) -> dict:
     else:
         trainer = Trainer(args=TrainingArguments(**job.trainer_args),
                           data_collator=Collator(tokenizer.pad_token_id, pad_to), **parts)
+    if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
+        from .schedules import use_muon
+
+        use_muon(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         from .schedules import use_quadratic_warmup
 

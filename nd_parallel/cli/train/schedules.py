@@ -1,4 +1,9 @@
-"""Axolotl's learning-rate schedules that transformers' ``lr_scheduler_type`` cannot name.
+"""Axolotl's learning-rate schedules and optimizers that transformers' ``lr_scheduler_type`` / ``optim`` cannot name.
+
+``optimizer: muon``: Axolotl's Muon (Moonlight's recipe: Muon on the 2-D hidden matrices, AdamW on the rest;
+nd_parallel/distributed/muon.py, which orthogonalizes sharded matrices whole), built by the Trainer's
+``create_optimizer`` (``use_muon``) with the YAML's learning rate, weight decay and, as Axolotl passes them, Adam's
+betas when both ``adam_beta1`` and ``adam_beta2`` are set and ``adam_epsilon`` when set.
 
 ``lr_quadratic_warmup: true`` (with ``lr_scheduler: cosine``): Axolotl 0.19's
 ``get_cosine_schedule_with_quadratic_warmup`` (axolotl/utils/schedulers.py), the same numbers: during warm-up the
@@ -46,3 +51,19 @@ def use_quadratic_warmup(trainer) -> None:
     if trainer.args.lr_scheduler_type != "cosine":  # the config stage refuses it with another schedule
         raise ValueError(f"lr_quadratic_warmup needs lr_scheduler_type='cosine', got {trainer.args.lr_scheduler_type}")
     trainer.create_scheduler = types.MethodType(_create_scheduler, trainer)
+
+
+def use_muon(trainer, t) -> None:
+    """The Trainer builds Muon (see the module docstring) where it would build its AdamW."""
+    from nd_parallel.distributed.muon import Muon, muon_param_groups
+
+    adam = {"betas": (t.adam_beta1, t.adam_beta2)} if t.adam_beta1 and t.adam_beta2 else {}
+    adam |= {"eps": t.adam_epsilon} if t.adam_epsilon else {}
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            groups = muon_param_groups((self.model if model is None else model).named_parameters())
+            self.optimizer = Muon(groups, lr=self.args.learning_rate, weight_decay=self.args.weight_decay, **adam)
+        return self.optimizer
+
+    trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
