@@ -25,10 +25,11 @@ def check_accelerator(accelerator, launched: int) -> None:
 def check_layout(accelerator, config: ParallelismConfig) -> None:
     """A resolved layout against the Accelerator: what DeepSpeed's engine allows, the TP overrides' styles."""
     deepspeed_pp = config.pp_size > 1 and config.pp_backend == "deepspeed"
-    if deepspeed_pp and accelerator.mixed_precision == "bf16":
+    if deepspeed_pp and accelerator.mixed_precision in ("bf16", "fp16"):
         raise NotImplementedError(
-            "mixed_precision='bf16' with pp_backend='deepspeed': DeepSpeed's pipeline engine keeps its own "
-            "precision state and would not follow nd_parallel's fp32-master recipe; use pp_backend='torch'")
+            f"mixed_precision={accelerator.mixed_precision!r} with pp_backend='deepspeed': DeepSpeed's pipeline engine "
+            "keeps its own precision state (and loss scaler) and would not follow nd_parallel's fp32-master recipe; "
+            "use pp_backend='torch'")
     check_styles(config.tp_plan or {})  # a typo in an override is an error even while tp_size=1
     if deepspeed_pp:
         from nd_parallel.distributed.pipeline.deepspeed_backend import require_deepspeed
