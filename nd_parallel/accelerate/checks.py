@@ -47,6 +47,19 @@ def check_saw_all_ranks(accelerator, launched: int) -> None:
             "ACCELERATE_USE_CPU=true")
 
 
+def check_master_weights(model: torch.nn.Module, mixed_precision) -> None:
+    """fp16 keeps fp32 master weights: a trainable fp16 parameter would take updates below 2**-11 of its value as 0,
+    and the loss scaler refuses to unscale fp16 gradients. Refused before any collective."""
+    if mixed_precision != "fp16":
+        return
+    low = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if low:
+        raise ValueError(
+            f"mixed_precision='fp16' with {len(low)} trainable fp16 parameter(s) (e.g. {low[0]}): fp16 mixed "
+            "precision keeps fp32 master weights and computes in fp16; load the model in fp32 (dtype=torch.float32, "
+            "the default) and let mixed_precision='fp16' cast it for compute")
+
+
 def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if optimizer.state:
         raise ValueError(

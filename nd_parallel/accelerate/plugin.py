@@ -36,7 +36,7 @@ from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
 from . import accelerate_config, evaluation, scaling
-from .checks import check_accelerator, check_fresh_optimizer, check_layout
+from .checks import check_accelerator, check_fresh_optimizer, check_layout, check_master_weights
 from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
@@ -138,7 +138,7 @@ class NDParallelPlugin:
             custom_objects=list(acc._custom_objects), process_index=acc.process_index,
             num_processes=acc.num_processes, is_main_process=acc.is_main_process, step=int(acc.step),
             steps_taken=self.fault.step, project=acc.project_configuration,
-            project_dir=acc.project_dir)
+            project_dir=acc.project_dir, scaler=self.scaler)
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects, device_placement=None):
@@ -148,6 +148,7 @@ class NDParallelPlugin:
             if isinstance(obj, nn.Module):
                 check_model(obj, self.config, self.accelerator.device.type)
                 check_wrap_class(obj)  # the launch file's fsdp_transformer_layer_cls_to_wrap
+                check_master_weights(obj, self.accelerator.mixed_precision)
             elif isinstance(obj, DataLoader):
                 check_batch_size(obj, self.config, self.accelerator.split_batches)
             elif isinstance(obj, torch.optim.Optimizer):

@@ -4,6 +4,8 @@ rank must skip that step and back off the scale alike.
 Usage (under torchrun): fp16_worker.py OUT_DIR SPEC_JSON
 SPEC_JSON: {"model": dir, "runs": [{"name", "layout", "clip": bool}]}. Saves OUT_DIR/NAME.pt from rank 0:
 {"ranks": [per rank: {"skipped": [...], "scales": [...], "moved": [did this rank's parameters change, per step]}]}.
+A run with "resume": true also saves the state after its steps and loads it under a fresh Accelerator (whose
+scaler starts elsewhere): "resumed" = that scaler's state_dict, "saved" = the first one's.
 """
 
 import json
@@ -33,15 +35,20 @@ def _poison(optimizer) -> None:
     grad.view(-1)[0] = float("inf")
 
 
-def run_one(run: dict, model_dir: str) -> dict:
+def _prepared(run: dict, model_dir: str, init_scale: float):
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    scaler = GradScalerKwargs(init_scale=init_scale, growth_interval=2)
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=[scaler])
     plugin = NDParallelPlugin(ParallelismConfig(**run["layout"])).attach(accelerator)
     model = plugin.from_pretrained(model_dir)
     recipe = Recipe(steps=3, per_rank_batch=run["per_rank_batch"])
     opt, sched = optimizer_and_schedule(model, recipe)
     loader = DataLoader(make_samples(n=24, seq_len=16), batch_size=recipe.per_rank_batch, collate_fn=_collate)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    return (accelerator, recipe, *accelerator.prepare(model, opt, loader, sched))
+
+
+def run_one(run: dict, model_dir: str, out_dir: str) -> dict:
+    accelerator, recipe, model, opt, loader, sched = _prepared(run, model_dir, 1024.0)
     record = {"skipped": [], "scales": [], "moved": []}
     for step, batch in zip(range(recipe.steps), loader):
         before = [_local(p).detach().clone() for g in opt.param_groups for p in g["params"]]
@@ -57,13 +64,19 @@ def run_one(run: dict, model_dir: str) -> dict:
         record["moved"].append(any(not torch.equal(a, b) for a, b in zip(after, before)))
         record["skipped"].append(opt.step_was_skipped)
         record["scales"].append(accelerator.scaler.get_scale())
+    if run.get("resume"):
+        accelerator.save_state(f"{out_dir}/{run['name']}_ckpt")
+        record["saved"] = accelerator.scaler.state_dict()
+        resumed = _prepared(run, model_dir, 2.0 ** 20)[0]
+        resumed.load_state(f"{out_dir}/{run['name']}_ckpt")
+        record["resumed"] = resumed.scaler.state_dict()
     return {"ranks": gather_object([record])}
 
 
 def main(out_dir: str, spec_path: str) -> None:
     spec = json.load(open(spec_path))
     for run in spec["runs"]:
-        saved = run_one(run, spec["model"])
+        saved = run_one(run, spec["model"], out_dir)
         if dist.get_rank() == 0:
             torch.save(saved, f"{out_dir}/{run['name']}.pt")
         dist.barrier()

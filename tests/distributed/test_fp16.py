@@ -120,6 +120,7 @@ ONE_RANK_LAYOUTS = {"fsdp2": dict(dp_shard_size=2), "tp2": dict(tp_size=2), "pp2
 ONE_RANK_RUNS = [dict(name=f"{n}_{'clip' if clip else 'noclip'}", layout=lay, clip=clip,
                       per_rank_batch=2 if "dp" in next(iter(lay)) else 4)
                  for n, lay in ONE_RANK_LAYOUTS.items() for clip in (True, False)]
+ONE_RANK_RUNS.append(dict(name="fsdp2_resume", layout=dict(dp_shard_size=2), clip=True, per_rank_batch=2, resume=True))
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,11 @@ def test_one_rank_overflow_skips_every_rank(name, one_rank_overflow):
         assert rec["skipped"] == [False, True, False], (rank, rec)
         assert rec["moved"] == [True, False, True], (rank, rec)
         assert rec["scales"] == [1024.0, 512.0, 512.0], (rank, rec)
+
+
+def test_save_state_keeps_the_loss_scale(one_rank_overflow):
+    """accelerator.save_state / load_state carry the scale and its growth count: a fresh run whose scaler starts at
+    2**20 resumes at the saved 512 with one good step counted (growth_interval 2)."""
+    for rec in one_rank_overflow("fsdp2_resume"):
+        assert rec["saved"]["scale"] == 512.0 and rec["saved"]["_growth_tracker"] == 1, rec["saved"]
+        assert rec["resumed"] == rec["saved"], (rec["resumed"], rec["saved"])

@@ -236,6 +236,7 @@ lora_target_parameters: [experts.down_proj]
 bfloat16: true
 bf16: false
 float16: true
+fp16: false
 qat: {activation_dtype: nvfp4, weight_dtype: nvfp4, group_size: 32}
 processor_type: AutoProcessor
 tokenizer_use_mistral_common: true
@@ -247,7 +248,7 @@ chat_template: chatml
     for needle in ("batch_size=8 with gradient_accumulation_steps=2: they disagree (micro_batch_size x "
                    "gradient_accumulation_steps = 4); keep one", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
-                   "float16=True: float16: true loads and trains the weights in fp16", "qat: group_size=32 with nvfp4",
+                   "float16=True with fp16=False: keep one", "qat: group_size=32 with nvfp4",
                    "set group_size: 16", "processor_type='AutoProcessor': multimodal",
                    "chat_template='chatml' with tokenizer_use_mistral_common: mistral-common renders"):
         assert needle in message, (needle, message)

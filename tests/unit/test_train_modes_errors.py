@@ -128,3 +128,12 @@ def test_checkpointing_modes_keep_different_bytes():
     # "selective" keeps every Linear's output of every layer (fp32 here), which "full" recomputes
     linear_out = sum(m.out_features for m in model.model.layers[0].modules() if isinstance(m, nn.Linear))
     assert held["selective"] - held["full"] >= layers * batch * seq * linear_out * 4, held
+
+
+def test_fp16_refuses_trainable_fp16_weights_before_any_collective():
+    """fp16 mixed precision keeps fp32 master weights: a model loaded in fp16 is refused at prepare, with the fix."""
+    model = tiny_model().to(torch.float16)
+    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2)).attach(
+        fake_accelerator(num_processes=2, mixed_precision="fp16", scaler=None))
+    with pytest.raises(ValueError, match="trainable fp16 parameter.*load the model in fp32"):
+        plugin.prepare(model)
