@@ -44,8 +44,12 @@ class MeshGradScaler(GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         """Unscale this rank's local gradient tensors; {device: flag}, with at least the scale's device."""
         grads: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        # bitsandbytes' 8-bit optimizers step plain stand-ins that get their gradients only inside step()
+        # (optimizer_8bit.step_local_shards): until then the gradients are the DTensor parameters'.
+        stand_ins = {id(local): param for param, local in getattr(optimizer, "nd_parallel_local_shards", ())}
         for group in optimizer.param_groups:
             for param in group["params"]:
+                param = stand_ins.get(id(param), param)
                 if param.grad is None:
                     continue
                 grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

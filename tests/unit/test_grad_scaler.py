@@ -91,3 +91,30 @@ def test_attach_installs_the_scaler_with_accelerate_kwargs():
     assert plugin.mp_policy.param_dtype == torch.float16 and plugin.mp_policy.reduce_dtype == torch.float32
     bf16 = fake_accelerator(1, mixed_precision="bf16", scaler=None)
     assert NDParallelPlugin(ParallelismConfig()).attach(bf16).scaler is None and bf16.scaler is None
+
+
+def test_bitsandbytes_stand_ins_are_unscaled_through_their_dtensors():
+    """A bitsandbytes optimizer steps plain stand-ins whose .grad is set only inside step(): the scaler must read
+    (and unscale) the DTensor parameters' gradients instead, or it would miss an overflow and clip scaled values."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from nd_parallel.distributed.mesh import single_process_group
+
+    single_process_group("cpu")
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros(2), mesh, [Shard(0)]))
+        local = torch.nn.Parameter(param.to_local().detach())
+        opt = torch.optim.SGD([local], lr=1.0)
+        opt.nd_parallel_local_shards = [(param, local)]
+        scaler = MeshGradScaler(torch.device("cpu"), init_scale=4.0)
+        param.grad = distribute_tensor(torch.tensor([4.0, float("inf")]), mesh, [Shard(0)])
+        assert scaling.unscale(scaler, [opt]) and local.grad is None
+        param.grad = distribute_tensor(torch.tensor([4.0, 8.0]), mesh, [Shard(0)])
+        scaling.drop_step(scaler)
+        assert not scaling.unscale(scaler, [opt]) and param.grad.to_local().tolist() == [1.0, 2.0]
+    finally:
+        dist.destroy_process_group()

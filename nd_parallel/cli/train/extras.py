@@ -265,10 +265,9 @@ def extras_notes(d: dict) -> list[str]:
 
 def _half_precision(d: dict) -> list[str]:
     """fp16 / float16 as Axolotl's resolve_dtype reads them: bf16: true wins over both; float16: true (fp16 weights,
-    no autocast) is trained as fp16: true (half_precision_note says why). Sets ``d["fp16"]``; refusal lines."""
+    no autocast; Axolotl's examples write it with fp16: false) is trained as fp16: true (half_precision_note says
+    why). Sets ``d["fp16"]``; refusal lines (none yet: every combination has Axolotl's meaning)."""
     if d.pop("float16", None) is True:
-        if d.get("fp16") is False:
-            return ["float16=True with fp16=False: keep one (float16: true trains as fp16: true here)"]
         d["fp16"] = True
     if d.get("bf16") is True and d.get("fp16"):
         d["fp16"] = False  # Axolotl: "if cfg.bf16: cfg.fp16 = False"
@@ -282,8 +281,8 @@ def half_precision_note(d: dict) -> str | None:
         return f"{key}: true with bf16: true: bf16 mixed precision is used, as in Axolotl"
     if d.get("float16") is True:
         return ("float16: true (in Axolotl: weights loaded in fp16, no autocast, no loss scaling) trains as fp16: "
-                "true: fp16 compute over fp32 master weights with dynamic loss scaling. Weights kept in fp16 would "
-                "lose AdamW's updates (an update below 2**-11 of a weight rounds away; eps=1e-8 is 0 in fp16)")
+                "true here: fp16 compute over fp32 master weights with dynamic loss scaling. Weights kept in fp16 "
+                "would lose AdamW's updates (an update below 2**-11 of a weight rounds away; eps=1e-8 is 0 in fp16)")
     return None
 
 
