@@ -1,6 +1,6 @@
 """fp16 mixed precision with dynamic loss scaling under the layout families (issue 19).
 
-Two launches (1 rank for the references, 2 ranks for the layouts) run ``precision_worker.py``; each row compares a
+Three launches (1 rank for the references, 2 and 4 ranks for the layouts) run ``precision_worker.py``; each row compares a
 layout with one process in plain torch (``bf16_reference.train_plain``: ``fully_shard`` over a one-rank mesh with
 ``MixedPrecisionPolicy(fp16, fp32)`` and torch's ``GradScaler`` as torch documents it), 10 AdamW steps: the loss and
 the gradient norm every step, the scaler's scale after every step, which steps were skipped, every parameter at
@@ -49,6 +49,8 @@ PARAM_ATOL = 2 * 1.05 * LR * (STEPS - 1)
 LAYOUTS = {
     "one": (1, {}), "ddp2": (2, dict(dp_replicate_size=2)), "fsdp2": (2, dict(dp_shard_size=2)),
     "tp2": (2, dict(tp_size=2)), "pp2": (2, dict(pp_size=2)), "cp2": (2, dict(cp_size=2)),
+    # gradients on a 2-D mesh (FSDP shards of TP slices) and stages that are themselves sharded
+    "fsdp2_tp2": (4, dict(dp_shard_size=2, tp_size=2)), "pp2_fsdp2": (4, dict(pp_size=2, dp_shard_size=2)),
 }
 FAMILIES = ("llama",)
 
