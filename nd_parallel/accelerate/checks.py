@@ -25,10 +25,11 @@ def check_accelerator(accelerator, launched: int) -> None:
 def check_layout(accelerator, config: ParallelismConfig) -> None:
     """A resolved layout against the Accelerator: what DeepSpeed's engine allows, the TP overrides' styles."""
     deepspeed_pp = config.pp_size > 1 and config.pp_backend == "deepspeed"
-    if deepspeed_pp and accelerator.mixed_precision == "bf16":
+    if deepspeed_pp and accelerator.mixed_precision in ("bf16", "fp16"):
         raise NotImplementedError(
-            "mixed_precision='bf16' with pp_backend='deepspeed': DeepSpeed's pipeline engine keeps its own "
-            "precision state and would not follow nd_parallel's fp32-master recipe; use pp_backend='torch'")
+            f"mixed_precision={accelerator.mixed_precision!r} with pp_backend='deepspeed': DeepSpeed's pipeline engine "
+            "keeps its own precision state (and loss scaler) and would not follow nd_parallel's fp32-master recipe; "
+            "use pp_backend='torch'")
     check_styles(config.tp_plan or {})  # a typo in an override is an error even while tp_size=1
     if deepspeed_pp:
         from nd_parallel.distributed.pipeline.deepspeed_backend import require_deepspeed
@@ -44,6 +45,19 @@ def check_saw_all_ranks(accelerator, launched: int) -> None:
             f"the launcher started WORLD_SIZE={launched} ranks but the Accelerator sees 1 process: on a machine "
             "without GPUs create it with Accelerator(cpu=True), launch with `accelerate launch --cpu`, or set "
             "ACCELERATE_USE_CPU=true")
+
+
+def check_master_weights(model: torch.nn.Module, mixed_precision) -> None:
+    """fp16 keeps fp32 master weights: a trainable fp16 parameter would take updates below 2**-11 of its value as 0,
+    and the loss scaler refuses to unscale fp16 gradients. Refused before any collective."""
+    if mixed_precision != "fp16":
+        return
+    low = [name for name, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16]
+    if low:
+        raise ValueError(
+            f"mixed_precision='fp16' with {len(low)} trainable fp16 parameter(s) (e.g. {low[0]}): fp16 mixed "
+            "precision keeps fp32 master weights and computes in fp16; load the model in fp32 (dtype=torch.float32, "
+            "the default) and let mixed_precision='fp16' cast it for compute")
 
 
 def check_fresh_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -1,8 +1,9 @@
 """NDParallelPlugin: attach nd_parallel to an ``accelerate.Accelerator``.
 
 ``attach`` replaces a handful of the accelerator's methods on that one instance (prepare*, backward,
-clip_grad_norm_, get_state_dict, gather*, save/load_state, save_model, skip_first_batches) so that an unchanged
-Accelerate loop trains under any layout. The plugin only routes: the model is laid out by
+clip_grad_norm_, unscale_gradients, get_state_dict, gather*, save/load_state, save_model, skip_first_batches) so
+that an unchanged Accelerate loop trains under any layout. fp16 keeps Accelerate's own loss-scaling path with a
+scaler whose overflow flag every rank agrees on (``scaling.py``). The plugin only routes: the model is laid out by
 ``distributed/parallelize.py``, the dataloader sharded by ``distributed/data.py``, the norm computed by
 ``distributed/grad_norm.py``, checkpoints handled by ``checkpoint/`` and faults by ``fault/``, each given a
 ``TrainState`` rather than the plugin.
@@ -34,8 +35,8 @@ from nd_parallel.distributed.precision import policy_for
 from nd_parallel.fault.runtime import FaultTolerance
 from nd_parallel.models.loading import from_pretrained as load_pretrained
 
-from . import accelerate_config, evaluation
-from .checks import check_accelerator, check_fresh_optimizer, check_layout
+from . import accelerate_config, evaluation, scaling
+from .checks import check_accelerator, check_fresh_optimizer, check_layout, check_master_weights
 from .launch_keys import apply_fsdp_keys, check_wrap_class
 from .launcher_env import adopt_launcher_env, launched_world_size
 
@@ -44,7 +45,7 @@ logger = logging.getLogger("nd_parallel")
 # Accelerator methods the plugin replaces on the instance it is attached to (attach keeps the originals).
 ROUTED = ("prepare", "prepare_model", "prepare_optimizer", "prepare_data_loader", "prepare_scheduler", "backward",
           "clip_grad_norm_", "get_state_dict", "gather", "gather_for_metrics", "save_state", "load_state",
-          "save_model", "skip_first_batches", "maybe_context_parallel")
+          "save_model", "skip_first_batches", "maybe_context_parallel", "unscale_gradients")
 
 
 def _setup_logging(is_main: bool) -> None:
@@ -69,6 +70,7 @@ class NDParallelPlugin:
         self._param_map: dict[int, list[nn.Parameter]] = {}
         self._models: list[nn.Module] = []
         self.mp_policy = None  # FSDP2 MixedPrecisionPolicy for the accelerator's mixed_precision (precision.py)
+        self.scaler = None  # fp16: the loss scaler every rank agrees with (accelerate/scaling.py)
         self.loading_report = None  # what this rank read at prepare() for a model from from_pretrained
         self._expose = False  # attach(expose=...): the layout shown as accelerator.parallelism_config
 
@@ -97,6 +99,7 @@ class NDParallelPlugin:
         self._expose = expose or getattr(accelerator, "parallelism_config", None) is not None
         self._mesh = accelerate_config.mesh_built_for(given, self.config)
         self.mp_policy = policy_for(accelerator.mixed_precision)
+        self.scaler = scaling.install_scaler(accelerator)  # fp16 only; replaces the one Accelerate built, if any
         self.accelerator = accelerator
         _setup_logging(accelerator.is_main_process)
         self._originals = {name: getattr(accelerator, name, None) for name in ROUTED}
@@ -135,7 +138,7 @@ class NDParallelPlugin:
             custom_objects=list(acc._custom_objects), process_index=acc.process_index,
             num_processes=acc.num_processes, is_main_process=acc.is_main_process, step=int(acc.step),
             steps_taken=self.fault.step, project=acc.project_configuration,
-            project_dir=acc.project_dir)
+            project_dir=acc.project_dir, scaler=self.scaler)
 
     # ----------------------------------------------------------------- prepare
     def prepare(self, *objects, device_placement=None):
@@ -145,6 +148,7 @@ class NDParallelPlugin:
             if isinstance(obj, nn.Module):
                 check_model(obj, self.config, self.accelerator.device.type)
                 check_wrap_class(obj)  # the launch file's fsdp_transformer_layer_cls_to_wrap
+                check_master_weights(obj, self.accelerator.mixed_precision)
             elif isinstance(obj, DataLoader):
                 check_batch_size(obj, self.config, self.accelerator.split_batches)
             elif isinstance(obj, torch.optim.Optimizer):
@@ -171,6 +175,7 @@ class NDParallelPlugin:
         done = parallelize(model, self.config, acc.device, lambda: self._mesh_for_prepare(distributed),
                            distributed=distributed, mp_policy=self.mp_policy)
         self.loading_report = done.loading or self.loading_report
+        scaling.reach_pipeline(done.model, self.scaler)
         for key, targets in done.replaced.items():
             known = self._param_map.setdefault(key, [])
             known.extend(t for t in targets if all(t is not k for k in known))
@@ -194,8 +199,9 @@ class NDParallelPlugin:
             group["params"] = [q for p in group["params"] for q in self._param_map.get(id(p), [p])]
         step_local_shards(optimizer)  # bitsandbytes' 8-bit optimizers step each rank's shards (optimizer_8bit.py)
         prefer_foreach(optimizer)  # one DTensor dispatch per op for all parameters, not one per parameter
-        wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
-        self.fault.on_optimizer(wrapped)  # counts steps; skips one the non-finite guard refused
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=self.scaler)  # fp16: steps via it
+        # counts steps; skips one the non-finite guard refused (and then tells the scaler the step did not happen)
+        self.fault.on_optimizer(wrapped, on_skip=lambda: scaling.drop_step(self.scaler))
         self.accelerator._optimizers.append(wrapped)
         return wrapped
 
@@ -233,12 +239,21 @@ class NDParallelPlugin:
         """The true global gradient norm over every dimension, identical on every rank."""
         parameters = list(parameters)
         check = self.fault.observe_norm  # NaN/Inf: stop naming step, rank, parameter, or skip (fault/nonfinite.py)
+        if scaling.unscale(self.scaler, self.accelerator._optimizers):  # fp16: the norm of unscaled gradients
+            # an fp16 overflow: the scaler skips this step on every rank and halves the scale; the guard checks
+            # the loss only (a non-finite loss is not something a smaller scale fixes)
+            check = lambda norm: self.fault.observe_norm(None)  # noqa: E731
         if self.config.pp_size == 1 or self._mesh is None:
             return clip_grad_norm_(parameters, max_norm, norm_type, check=check)
         # Stages hold different parameters: add their squares over pp; count a tied weight's copy once.
         skip = {id(m.tied.duplicate) for m in self._models if getattr(m, "tied", None) and m.tied.duplicate is not None}
         return clip_grad_norm_(parameters, max_norm, norm_type, extra_group=self.mesh["pp"].get_group(),
                                exclude_from_norm=skip, check=check)
+
+    def unscale_gradients(self, optimizer=None):
+        """accelerator.unscale_gradients: fp16's unscale (once per step; a second call is a no-op)."""
+        optimizers = self.accelerator._optimizers if optimizer is None else optimizer
+        scaling.unscale(self.scaler, optimizers if isinstance(optimizers, (list, tuple)) else [optimizers])
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full, unsharded, HF-named state dict on the main process (an empty dict on the others)."""

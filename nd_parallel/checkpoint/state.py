@@ -103,11 +103,14 @@ def _rng_file(root: Path, rank: int) -> Path:
 
 
 # -------------------------------------------------------------------------------------------------- save
-def _small_state(state: TrainState, for_load: bool = False) -> dict:
-    """Schedulers and registered custom objects, each stored as one pickled value whatever its structure (DCP
-    walks into dicts and lists, not tuples), read back with weights_only=True."""
+def _small_state(state: TrainState, for_load: bool = False, saved_scaler: bool = True) -> dict:
+    """Schedulers, registered custom objects and fp16's loss scaler (its scale and growth count: the same on every
+    rank), each stored as one pickled value whatever its structure (DCP walks into dicts and lists, not tuples),
+    read back with weights_only=True. ``saved_scaler``: whether the checkpoint being loaded holds one."""
     objects = {f"scheduler.{i}": s for i, s in enumerate(state.schedulers)}
     objects.update({f"custom.{i}": obj for i, obj in enumerate(state.custom_objects)})
+    if state.scaler is not None and saved_scaler:
+        objects["loss_scaler"] = state.scaler
     return {k: None if for_load else (obj.state_dict(),) for k, obj in objects.items()}
 
 
@@ -203,7 +206,7 @@ def _marker(state: TrainState, hf, loaders: list[dict]) -> dict:
         "world_size": int(state.num_processes), "layout": sizes, "dp_size": state.dp_size,
         "model_class": type(hf).__name__.removeprefix("FSDP"), "tied": tied_keys(hf),
         "optimizers": len(state.optimizers), "schedulers": len(state.schedulers),
-        "custom_objects": len(state.custom_objects), "dataloaders": loaders,
+        "custom_objects": len(state.custom_objects), "dataloaders": loaders, "loss_scaler": state.scaler is not None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
 
@@ -292,7 +295,7 @@ def load_state(state: TrainState, input_dir=None, **unused) -> dict:
     model = state.the_model()
     fresh = [o for o in state.torch_optimizers() if not o.state]
     named = named_state(model, state.torch_optimizers() or None, for_load=True)  # initialises fresh optimizers
-    small = _small_state(state, for_load=True)
+    small = _small_state(state, for_load=True, saved_scaler=bool(marker.get("loss_scaler")))
     values = {k: v for k, v in named.flat.items() if not isinstance(v, torch.Tensor)}
     values.update(small)
     tensors = {k: v for k, v in named.flat.items() if isinstance(v, torch.Tensor)}
@@ -313,6 +316,11 @@ def load_state(state: TrainState, input_dir=None, **unused) -> dict:
         scheduler.load_state_dict(values[f"scheduler.{i}"][0])
     for i, obj in enumerate(state.custom_objects):
         obj.load_state_dict(values[f"custom.{i}"][0])
+    if "loss_scaler" in values:
+        state.scaler.load_state_dict(values["loss_scaler"][0])
+    elif state.scaler is not None:
+        logger.warning("%s holds no fp16 loss scale (saved without mixed_precision='fp16'): the scale starts at its "
+                       "initial value", path)
     rank = state.process_index
     saved_world = int(marker["world_size"])
     if saved_world != state.num_processes:

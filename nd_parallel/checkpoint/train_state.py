@@ -42,6 +42,8 @@ class TrainState:
     """Accelerate's ProjectConfiguration (automatic checkpoint naming, iteration, total_limit); shared, so a save
     that advances ``project.iteration`` advances the Accelerator's."""
     project_dir: str | None = None
+    scaler: object = None
+    """fp16's loss scaler (``state_dict`` / ``load_state_dict``), or None."""
 
     @property
     def distributed(self) -> bool:

@@ -1,4 +1,4 @@
-"""Mixed precision: fp32 master weights and optimizer state, bf16 compute, fp32 gradient reduction.
+"""Mixed precision: fp32 master weights and optimizer state, bf16 or fp16 compute, fp32 gradient reduction.
 
 Built on FSDP2's ``MixedPrecisionPolicy``: parameters stay fp32 (the sharded parameter the optimizer sees), the
 all-gather casts them to bf16 for forward and backward, and gradients are cast back to fp32 *before* they are
@@ -10,6 +10,10 @@ keeps its running max / log-sum-exp in fp32.
 Accelerate's own bf16 path (``autocast`` around forward) is not used: it computes some ops in bf16 and others in
 fp32 on a per-op list, which is not what FSDP2 does with the same setting; one recipe for every layout is what
 makes "bf16 under layout X equals bf16 in one process" a testable statement.
+
+fp16 is the same recipe with ``param_dtype=float16`` plus dynamic loss scaling (``grad_scaler.MeshGradScaler``,
+installed by the Accelerate integration as ``accelerator.scaler``): fp16's 5 exponent bits underflow small
+gradients unless the loss is scaled up first, and overflow when it is scaled too far, which skips the step.
 """
 
 from __future__ import annotations
@@ -17,23 +21,20 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-SUPPORTED = ("no", "bf16")
+SUPPORTED = ("no", "bf16", "fp16")
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_mixed_precision(value) -> None:
-    """Refuse, before any collective, what cannot be honoured: fp16 (needs a sharded scaler), fp8, typos."""
+    """Refuse, before any collective, what cannot be honoured: fp8, typos."""
     value = "no" if value is None else str(value)
     if value in SUPPORTED:
         return
-    if value == "fp16":
-        raise NotImplementedError(
-            "mixed_precision='fp16' needs a gradient scaler that works on sharded gradients, which nd_parallel does "
-            "not provide; use mixed_precision='bf16' (same memory, no loss scaling needed), or 'no' for fp32")
     if value == "fp8":
         raise NotImplementedError(
             "mixed_precision='fp8' is not supported by nd_parallel (it needs TransformerEngine/torchao kernels on "
             "Hopper GPUs); use mixed_precision='bf16'")
-    raise ValueError(f"mixed_precision={value!r} is not a precision; use 'no' (fp32) or 'bf16'")
+    raise ValueError(f"mixed_precision={value!r} is not a precision; use 'no' (fp32), 'bf16' or 'fp16'")
 
 
 def policy_for(mixed_precision) -> MixedPrecisionPolicy | None:
@@ -42,5 +43,5 @@ def policy_for(mixed_precision) -> MixedPrecisionPolicy | None:
     if mixed_precision in (None, "no"):
         return None
     # reduce_dtype=fp32: gradients are summed across ranks in fp32, whatever the compute dtype.
-    # output_dtype=None: activations passed between pipeline stages stay bf16, as between layers in one process.
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # output_dtype=None: activations passed between pipeline stages stay bf16/fp16, as between layers in one process.
+    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[mixed_precision], reduce_dtype=torch.float32)

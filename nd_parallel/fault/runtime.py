@@ -74,8 +74,9 @@ class FaultTolerance:
         if self.distributed:
             agreement.check(agreement.fields_of(self.config, objects))
 
-    def on_optimizer(self, optimizer) -> None:
-        """Count steps, check loss and norm before the step, and drop a step the guard marked as skipped."""
+    def on_optimizer(self, optimizer, on_skip: Callable[[], None] | None = None) -> None:
+        """Count steps, check loss and norm before the step, and drop a step the guard marked as skipped
+        (``on_skip()`` then tells whoever else steps with the optimizer, e.g. fp16's loss scaler)."""
         original = optimizer.step
 
         def step(opt, *args, **kwargs):  # a bound method, as LR schedulers built later expect (.__func__)
@@ -90,6 +91,8 @@ class FaultTolerance:
             if self.guard.skip_next_step:
                 self.guard.skip_next_step = False
                 optimizer._is_overflow = True  # AcceleratedScheduler then skips its step too
+                if on_skip is not None:
+                    on_skip()
                 return None
             optimizer._is_overflow = False
             return original(*args, **kwargs)

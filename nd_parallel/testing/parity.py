@@ -44,6 +44,9 @@ class RunResult:
     optimizer: torch.optim.Optimizer | None = None  # train_layout's prepared optimizer: what this rank holds
     evals: list[EvalResult] = field(default_factory=list)
     model: torch.nn.Module | None = None  # train_layout's prepared model
+    # fp16 (a loss scaler): the scale after each step's update, and whether the step was skipped (overflow)
+    scales: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
 
 
 def optimizer_and_schedule(model, recipe: Recipe):
@@ -64,11 +67,14 @@ def _collate(samples):
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None, progress=None) -> RunResult:
+def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None, progress=None,
+                    scaler=None) -> RunResult:
     """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share).
 
     ``model``: an already built model (e.g. wrapped with PEFT) instead of ``from_pretrained(model_dir)``.
     ``progress(step, loss)``: called after each optimizer step, as train_layout calls it.
+    ``scaler``: a ``torch.amp.GradScaler`` (fp16), used as torch documents it; the LR schedule skips a skipped
+    step, as Accelerate's does.
     """
     from transformers import AutoModelForCausalLM
 
@@ -80,11 +86,22 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None
         if step == recipe.steps:
             break
         loss = model(**batch).loss
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
         result.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.max_norm).item())
         result.losses.append(loss.item())
-        opt.step()
-        sched.step()
+        if scaler is None:
+            opt.step()
+            sched.step()
+        else:
+            skipped = bool(sum(v.item() for v in scaler._found_inf_per_device(opt).values()))
+            scaler.step(opt)
+            scaler.update()
+            if not skipped:
+                sched.step()
+            result.scales.append(scaler.get_scale())
+            result.skipped.append(skipped)
         opt.zero_grad()
         if progress is not None:
             progress(step, result.losses[-1])
@@ -132,6 +149,9 @@ def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progre
         opt.zero_grad()
         result.losses.append(out.loss.item())
         result.norms.append(float(norm))
+        if accelerator.scaler is not None:
+            result.scales.append(accelerator.scaler.get_scale())
+            result.skipped.append(opt.step_was_skipped)
         if progress is not None:
             progress(step, out.loss.item())
     result.state = accelerator.get_state_dict(model)

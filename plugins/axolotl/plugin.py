@@ -10,7 +10,7 @@ turns in Axolotl 0.19.0 (read from its source and run), each in one hook:
 
 - ``register`` (config load, before anything distributed): CPU ranks need ``ACCELERATE_USE_CPU=true`` or each
   trains alone; accelerate must not build its own mesh (adopt_launcher_env). ``bf16: auto`` would become fp16 on
-  CPU (no loss scaling there: it crashes), so on CPU it becomes fp32.
+  CPU with fp16 weights (Axolotl loads them so; nd_parallel's fp16 keeps fp32 masters), so on CPU it becomes fp32.
 - ``load_datasets`` (after ``normalize_config``, before the model loads): ``normalize_config`` forces
   ``device_map={"": LOCAL_RANK}``, which fails on CPU ranks ("Cannot access accelerator device"); the layout is
   read from Axolotl's size keys and ours, and Axolotl's own sizes are cleared so that its ND path
@@ -86,7 +86,8 @@ class NDParallelAxolotlPlugin(BasePlugin):
 
         adopt_launcher_env()
         if not torch.cuda.is_available() and cfg.get("bf16", "auto") == "auto":
-            cfg["bf16"] = False  # Axolotl 0.19 resolves auto to fp16 on CPU, which fails without loss scaling
+            cfg["bf16"] = False  # Axolotl 0.19 resolves auto to fp16 on CPU and then loads fp16 weights, which
+            # nd_parallel's fp16 (fp32 master weights) refuses for full fine-tuning; fp32 as nd-parallel train does
             cfg.setdefault("fp16", False)
 
     def load_datasets(self, cfg, preprocess: bool = False):

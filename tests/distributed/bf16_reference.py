@@ -3,7 +3,9 @@
 - ``train_plain``: one process without nd_parallel. fp32 is transformers' model trained as it is; bf16 is torch's own
   mixed-precision recipe written out here: ``fully_shard`` with ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)`` over a one-rank mesh, once per decoder layer and once at the root (what torchtitan does).
-  The layouts are thus checked against torch, not against nd_parallel's own one-rank recipe.
+  The layouts are thus checked against torch, not against nd_parallel's own one-rank recipe. fp16 is the same with
+  ``param_dtype=float16`` and torch's ``GradScaler("cpu")`` used as torch documents it (scale, unscale_, clip,
+  step, update), the LR schedule skipping a skipped step as Accelerate's does.
 - ``ComputeDtypes``: forward pre-hooks on the Linears inside the decoder layers record the dtypes of the matmul's
   input and weight as they reach the kernel, so "computed in bf16" is observed, not inferred from the loss.
 """
@@ -17,7 +19,7 @@ from nd_parallel.testing.parity import EvalResult, Recipe, RunResult, _collate, 
 
 
 def train_plain(model_dir, samples, recipe: Recipe, mixed_precision: str,
-                eval_samples=None) -> tuple[RunResult, set[str]]:
+                eval_samples=None, scaler_kwargs=None) -> tuple[RunResult, set[str]]:
     """One process, global batch = ``recipe.per_rank_batch``; bf16 needs a (one-rank) process group. Returns the
     run (with the logits of ``eval_samples`` before training, if given) and the dtypes its decoder layers'
     matmuls saw (``ComputeDtypes``)."""
@@ -27,17 +29,19 @@ def train_plain(model_dir, samples, recipe: Recipe, mixed_precision: str,
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     probe = ComputeDtypes(model)
-    if mixed_precision == "bf16":
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if mixed_precision in dtypes:
         mesh = init_device_mesh("cpu", (1,))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=dtypes[mixed_precision], reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
     elif mixed_precision != "no":
-        raise ValueError(f"mixed_precision={mixed_precision!r}: the plain reference runs 'no' or 'bf16'")
+        raise ValueError(f"mixed_precision={mixed_precision!r}: the plain reference runs 'no', 'bf16' or 'fp16'")
     before = _evaluate(model, eval_samples, recipe.per_rank_batch) if eval_samples is not None else None
     with probe:
-        result = train_reference(model_dir, samples, 1, recipe, model=model)
+        scaler = torch.amp.GradScaler("cpu", **(scaler_kwargs or {})) if mixed_precision == "fp16" else None
+        result = train_reference(model_dir, samples, 1, recipe, model=model, scaler=scaler)
     result.evals = [before] if before is not None else []
     result.state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in result.state.items()}
     result.model = model

@@ -3,7 +3,8 @@
 Usage (under torchrun, any world size including 1 for the references): precision_worker.py OUT_DIR SPEC_JSON
 SPEC_JSON: {"models": {key: dir}, "runs": [{"name", "model", "layout", "mixed_precision", "samples",
             "recipe", "eval_samples" (optional), "generate" (optional: new tokens), "plain" (optional),
-            "held_after_forward" (optional: every rank's bytes held after one training forward)}]}
+            "held_after_forward" (optional: every rank's bytes held after one training forward),
+            "scaler" (optional: fp16's GradScalerKwargs)}]}
 
 Every rank checks the dtypes the bf16 recipe promises (fp32 parameters, gradients and AdamW moments; bf16
 compute) and the results record any rank where they did not hold, and every rank's compute dtypes as observed:
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import gather_object
+from accelerate.utils import GradScalerKwargs, gather_object
 from bf16_reference import ComputeDtypes, train_plain
 from torch.utils.data import DataLoader
 
@@ -99,7 +100,8 @@ def _layout_run(run: dict, spec: dict) -> tuple[dict, RunResult]:
     # Accelerate keeps one AcceleratorState per process; runs with another precision need it reset (the
     # process group, PartialState, stays).
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(mixed_precision=run.get("mixed_precision", "no"))
+    handlers = [GradScalerKwargs(**run["scaler"])] if run.get("scaler") else []
+    accelerator = Accelerator(mixed_precision=run.get("mixed_precision", "no"), kwargs_handlers=handlers)
     plugin = NDParallelPlugin(ParallelismConfig(**run["layout"])).attach(accelerator)
     samples = make_samples(**run["samples"])
     evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
@@ -114,6 +116,7 @@ def _layout_run(run: dict, spec: dict) -> tuple[dict, RunResult]:
     # How many decoder layers this rank runs under activation checkpointing: a no-op would also be bit-equal.
     checkpointed = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in result.model.modules())
     saved = {"losses": result.losses, "norms": result.norms, "state": result.state, "checkpointed": checkpointed,
+             "scales": result.scales, "skipped": result.skipped,
              "evals": [(e.step, e.losses, e.logits) for e in result.evals]}
     if run.get("generate"):
         prompts = [{"input_ids": s["input_ids"][:8]} for s in make_samples(n=8, seq_len=8, seed=3, min_len=8)]
@@ -140,8 +143,10 @@ def _plain_run(run: dict, spec: dict) -> dict:
     """One process without nd_parallel (bf16_reference.train_plain), with the same records as a layout's run."""
     evals = make_samples(**run["eval_samples"]) if run.get("eval_samples") else None
     result, seen = train_plain(spec["models"][run["model"]], make_samples(**run["samples"]),
-                               Recipe(**run["recipe"]), run["mixed_precision"], eval_samples=evals)
+                               Recipe(**run["recipe"]), run["mixed_precision"], eval_samples=evals,
+                               scaler_kwargs=run.get("scaler"))
     return {"losses": result.losses, "norms": result.norms, "state": result.state, "compute_dtypes": [sorted(seen)],
+            "scales": result.scales, "skipped": result.skipped,
             "evals": [(e.step, e.losses, e.logits) for e in result.evals],
             "logits_dtype": [str(e.logits_dtype) for e in result.evals], "rank_spread": 0.0}
 
@@ -155,6 +160,7 @@ def main(out_dir: str, spec_path: str) -> None:
             saved, result = _layout_run(run, spec)
             saved["rank_spread"] = max((abs(a - b) for ls in _every_rank(result.losses)
                                         for a, b in zip(ls, result.losses)), default=0.0)
+            saved["scales_every_rank"] = _every_rank((result.scales, result.skipped))  # fp16: one decision
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(saved, f"{out_dir}/{run['name']}.pt")
         if dist.is_initialized():

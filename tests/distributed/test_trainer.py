@@ -35,11 +35,14 @@ LAUNCHES = {
                # same dp size (same global batches), another layout: the pipeline's checkpoint loads under CP
                "save_pp2": ({"pp_size": 2}, {"save": True}),
                "resume_cp2": ({"cp_size": 2}, {"resume": "save_pp2/checkpoint-2"})}),
+    # fp16 (issue 19): TrainingArguments(fp16=True) through the callback, loss scaling included
+    "fp16": (2, {"fp16_fsdp2": ({"dp_shard_size": 2}, {"train": {"fp16": True}}),
+                 "fp16_pp2": ({"pp_size": 2}, {"train": {"fp16": True}})}),
     "4r": (4, {"fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, EV), "pp2_tp2": ({"pp_size": 2, "tp_size": 2}, EV),
                "lora_fsdp2_tp2": ({"dp_shard_size": 2, "tp_size": 2}, {"lora": True, "save_model": "adapter", **EV})}),
 }
 PARITY = [(n, row) for n, (_, rows) in LAUNCHES.items() for row in rows
-          if not row.startswith(("save_", "resume_", "gc_", "bf16_"))]
+          if not row.startswith(("save_", "resume_", "gc_", "bf16_", "fp16_"))]
 
 
 def _dp(config, world):
@@ -79,18 +82,20 @@ def runs(tiny_model, launch_worker):
 @pytest.fixture(scope="module")
 def references(tiny_model, memo, worker_env, tmp_path_factory):
     """The one-process Trainer whose per-device batch is the layout's global batch: (dp, lora, bf16) -> results."""
-    def run_reference(dp, lora, bf16):
+    def run_reference(dp, lora, bf16, fp16=False):
         out = tmp_path_factory.mktemp("trainer_ref")
-        # bf16: nd_parallel's recipe in one process (the callback with a one-process layout), as the bf16 rows
-        # of test_train_modes.py do; Accelerate's own bf16 is autocast, a different per-op recipe.
-        extras = {"lora": lora, "train": {"bf16": True}} if bf16 else {"lora": lora, **EV}
-        run = ["ref", {} if bf16 else None, _train_args({}, 1, extras, PER_RANK * dp), extras]
+        # bf16 / fp16: nd_parallel's recipe in one process (the callback with a one-process layout), as the bf16
+        # rows of test_train_modes.py do; Accelerate's own bf16 is autocast, a different per-op recipe.
+        half = {"bf16": True} if bf16 else {"fp16": True} if fp16 else None
+        extras = {"lora": lora, "train": half} if half else {"lora": lora, **EV}
+        run = ["ref", {} if half else None, _train_args({}, 1, extras, PER_RANK * dp), extras]
         (out / "spec.json").write_text(json.dumps(_spec(tiny_model("llama"), [run])))
         subprocess.run([sys.executable, WORKER, str(out), str(out / "spec.json")], check=True,
                        capture_output=True, env={**worker_env, "ACCELERATE_USE_CPU": "true"})
         return torch.load(out / "ref.pt", weights_only=True)
 
-    return lambda dp, lora, bf16=False: memo((dp, lora, bf16), lambda: run_reference(dp, lora, bf16))
+    return lambda dp, lora, bf16=False, fp16=False: memo((dp, lora, bf16, fp16),
+                                                         lambda: run_reference(dp, lora, bf16, fp16))
 
 
 def _close(run, ref):
@@ -158,6 +163,21 @@ def test_trainer_bf16_matches_one_process_bf16(runs, references):
     assert run["losses"] != fp32["losses"]  # bf16 compute really ran
     assert all(v.dtype == torch.float32 for v in run["state"].values())  # fp32 master weights
     print(f"trainer bf16 fsdp2 vs one-process bf16: max rel loss {rel['losses']:.2e} norm {rel['norms']:.2e}")
+
+
+@pytest.mark.parametrize("row", ["fp16_fsdp2", "fp16_pp2"])
+def test_trainer_fp16_matches_one_process_fp16(row, runs, references):
+    """TrainingArguments(fp16=True): the loss scale reaches FSDP2's and the pipeline's backward alike; the fp16
+    tolerances derived in test_fp16.py (loss u, norm 4u, u = 2**-11)."""
+    run = torch.load(runs("fp16") / f"{row}.pt", weights_only=True)
+    ref = references(2 if "fsdp" in row else 1, False, fp16=True)
+    assert len(run["losses"]) == len(ref["losses"]) == ARGS["max_steps"]
+    rel = {key: max(abs(a - b) / abs(b) for a, b in zip(run[key], ref[key])) for key in ("losses", "norms")}
+    assert rel["losses"] <= 2.0 ** -11 and rel["norms"] <= 4 * 2.0 ** -11, (rel, run, ref)
+    assert run["scale"] == ref["scale"] is not None, (run["scale"], ref["scale"])
+    assert all(v.dtype == torch.float32 for v in run["state"].values())  # fp32 master weights
+    print(f"trainer {row} vs one-process fp16: max rel loss {rel['losses']:.2e} norm {rel['norms']:.2e}, "
+          f"scale {run['scale']}")
 
 
 def test_trainer_resumes_under_another_layout(runs):

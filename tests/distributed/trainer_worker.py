@@ -80,6 +80,7 @@ def main(out_dir: str, spec_path: str) -> None:
             torch.save({"losses": [h["loss"] for h in logs], "norms": [h["grad_norm"] for h in logs],
                         "adapter": adapter,
                         "steps": [h["step"] for h in logs], "state": state,
+                        "scale": accelerator.scaler.get_scale() if accelerator.scaler is not None else None,
                         "eval_losses": [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h],
                         "after": {k: v for k, v in after.items() if k.partition("_")[2] in ("loss", "acc", "mean_logit",
                                                                                            "n")},

@@ -137,8 +137,8 @@ def test_optimizer_that_already_stepped_is_refused():
 
 
 def test_mixed_precision_is_refused_with_the_fix():
-    with pytest.raises(NotImplementedError, match="mixed_precision='fp16'.*fp32"):
-        NDParallelPlugin(ParallelismConfig()).attach(fake_accelerator(1, mixed_precision="fp16"))
+    with pytest.raises(NotImplementedError, match="mixed_precision='fp8'.*use mixed_precision='bf16'"):
+        NDParallelPlugin(ParallelismConfig()).attach(fake_accelerator(1, mixed_precision="fp8"))
 
 
 def _prepare_cp(model, num_processes=2, **layout):

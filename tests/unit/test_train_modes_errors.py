@@ -15,9 +15,8 @@ from .test_plugin_errors import fake_accelerator, no_process_group, tiny_model  
 
 
 @pytest.mark.parametrize("value,expected", [
-    ("fp16", "use mixed_precision='bf16'"),
     ("fp8", "fp8' is not supported"),
-    ("bf32", "mixed_precision='bf32' is not a precision; use 'no' (fp32) or 'bf16'"),
+    ("bf32", "mixed_precision='bf32' is not a precision; use 'no' (fp32), 'bf16' or 'fp16'"),
 ])
 def test_unsupported_mixed_precision_refused_at_attach(value, expected):
     plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2))
@@ -26,16 +25,19 @@ def test_unsupported_mixed_precision_refused_at_attach(value, expected):
     assert expected in str(err.value)
 
 
-def test_bf16_with_deepspeed_pipeline_refused():
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_with_deepspeed_pipeline_refused(precision):
     pytest.importorskip("deepspeed")
     plugin = NDParallelPlugin(ParallelismConfig(pp_size=2, pp_backend="deepspeed"))
-    with pytest.raises(NotImplementedError, match="use pp_backend='torch'"):
-        plugin.attach(fake_accelerator(num_processes=2, mixed_precision="bf16"))
+    with pytest.raises(NotImplementedError, match=f"mixed_precision='{precision}'.*use pp_backend='torch'"):
+        plugin.attach(fake_accelerator(num_processes=2, mixed_precision=precision))
 
 
 def test_bf16_policy_keeps_fp32_reduction():
     policy = policy_for("bf16")
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    policy = policy_for("fp16")
+    assert policy.param_dtype == torch.float16 and policy.reduce_dtype == torch.float32
     assert policy_for("no") is None and policy_for(None) is None
     check_mixed_precision("no")
 
@@ -126,3 +128,12 @@ def test_checkpointing_modes_keep_different_bytes():
     # "selective" keeps every Linear's output of every layer (fp32 here), which "full" recomputes
     linear_out = sum(m.out_features for m in model.model.layers[0].modules() if isinstance(m, nn.Linear))
     assert held["selective"] - held["full"] >= layers * batch * seq * linear_out * 4, held
+
+
+def test_fp16_refuses_trainable_fp16_weights_before_any_collective():
+    """fp16 mixed precision keeps fp32 master weights: a model loaded in fp16 is refused at prepare, with the fix."""
+    model = tiny_model().to(torch.float16)
+    plugin = NDParallelPlugin(ParallelismConfig(dp_shard_size=2)).attach(
+        fake_accelerator(num_processes=2, mixed_precision="fp16", scaler=None))
+    with pytest.raises(ValueError, match="trainable fp16 parameter.*load the model in fp32"):
+        plugin.prepare(model)

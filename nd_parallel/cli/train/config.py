@@ -117,7 +117,8 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     bf16: bool | str = "auto"
     """true, false or "auto" (bf16 on GPUs that support it, fp32 on CPU ranks). Default auto."""
     fp16: bool = False
-    """fp16 is refused (use bf16)."""
+    """fp16 mixed precision: fp16 compute, fp32 master weights, dynamic loss scaling (bf16: true wins, as in
+    Axolotl; float16: true is read as fp16: true, with a note)."""
     tf32: bool | str = False
     """Allow TF32 matmuls on CUDA; no effect on CPU."""
     gradient_checkpointing: bool = False
@@ -191,7 +192,7 @@ _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unus
 # Axolotl switches for fused CUDA/Triton kernels of the same computation: accepted with one line each
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
                "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
-MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16",
+MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16", "float16",
           "torch_compile_mode", "gemma4_hybrid_attn_impl"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
                   "tiled_mlp_use_original_mlp": None}

@@ -76,7 +76,7 @@ def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = streaming_refusals(d)  # pretraining_dataset becomes the streamed datasets entry (streaming.py)
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
-                "bfloat16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
+                "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
@@ -85,6 +85,7 @@ def extra_refusals(d: dict) -> list[str]:
         if d.get("bf16") is False:
             out.append("bfloat16=True with bf16=False: keep one (bfloat16: true means bf16: true)")
         d["bf16"] = True
+    out += _half_precision(d)
     out += _batch_size(d)
     ratio = d.get("cosine_min_lr_ratio")
     if ratio is not None:
@@ -264,8 +265,31 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
-    notes = [note for note in (experts_note(d.get("experts_implementation")), batch_note(d)) if note]
-    return notes + streaming_notes(d)
+    notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d))
+    return [note for note in notes if note] + streaming_notes(d)
+
+
+def _half_precision(d: dict) -> list[str]:
+    """fp16 / float16 as Axolotl's resolve_dtype reads them: bf16: true wins over both; float16: true (fp16 weights,
+    no autocast; Axolotl's examples write it with fp16: false) is trained as fp16: true (half_precision_note says
+    why). Sets ``d["fp16"]``; refusal lines (none yet: every combination has Axolotl's meaning)."""
+    if d.pop("float16", None) is True:
+        d["fp16"] = True
+    if d.get("bf16") is True and d.get("fp16"):
+        d["fp16"] = False  # Axolotl: "if cfg.bf16: cfg.fp16 = False"
+    return []
+
+
+def half_precision_note(d: dict) -> str | None:
+    """The line printed when fp16 / float16 are read other than as written."""
+    if d.get("bf16") is True and (d.get("fp16") is True or d.get("float16") is True):
+        key = "fp16" if d.get("fp16") is True else "float16"
+        return f"{key}: true with bf16: true: bf16 mixed precision is used, as in Axolotl"
+    if d.get("float16") is True:
+        return ("float16: true (in Axolotl: weights loaded in fp16, no autocast, no loss scaling) trains as fp16: "
+                "true here: fp16 compute over fp32 master weights with dynamic loss scaling. Weights kept in fp16 "
+                "would lose AdamW's updates (an update below 2**-11 of a weight rounds away; eps=1e-8 is 0 in fp16)")
+    return None
 
 
 def experts_note(impl: str | None) -> str | None:

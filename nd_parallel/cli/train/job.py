@@ -121,11 +121,14 @@ def read_jobs(path: str | os.PathLike) -> list[Job]:
 
 
 # ---------------------------------------------------------------------------------------- building a TrainJob
-def mixed_precision(bf16) -> str:
-    """Accelerate's mixed_precision for the YAML's ``bf16``: "auto" is bf16 only on GPUs that support it (on CPU
-    ranks bf16 matmuls are slower than fp32, and Axolotl's auto -> fp16 fallback would need loss scaling)."""
+def mixed_precision(bf16, fp16: bool = False) -> str:
+    """Accelerate's mixed_precision for the YAML's ``bf16`` and ``fp16``: bf16: true wins, then fp16: true (over
+    "auto", as in Axolotl); "auto" is bf16 only on GPUs that support it (on CPU ranks bf16 matmuls are slower than
+    fp32; Axolotl's auto -> fp16 fallback is not taken: write fp16: true for it)."""
     import torch
 
+    if bf16 is not True and fp16:
+        return "fp16"
     if bf16 == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     return "bf16" if bf16 else "no"
@@ -164,7 +167,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         lr_scheduler_type=cfg.lr_scheduler, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         # transformers 5 reads a warmup_steps below 1 as a share of the steps (what warmup_ratio was)
         warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else (cfg.warmup_steps or 0),
-        bf16=mixed_precision(cfg.bf16) == "bf16",
+        bf16=mixed_precision(cfg.bf16, cfg.fp16) == "bf16", fp16=mixed_precision(cfg.bf16, cfg.fp16) == "fp16",
         logging_strategy="steps", logging_steps=1,  # one train_log.jsonl line per optimizer step
         eval_strategy=eval_strategy, save_strategy=save_strategy, save_total_limit=cfg.save_total_limit)
     if eval_strategy == "steps":

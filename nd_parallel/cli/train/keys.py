@@ -78,8 +78,6 @@ REFUSED = {
                                         "use the unquantized checkpoint",
     "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
                                  "is not supported: use adapter: lora (lora_target_parameters for the experts)",
-    "float16": "float16: true loads and trains the weights in fp16 without loss scaling, which is not supported: "
-               "use bf16: true",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
@@ -170,15 +168,13 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
 
 
 def value_refusals(d: dict) -> list[str]:
-    """Implemented keys set to a value that is not (qlora, other optimizers, fp16, ...)."""
+    """Implemented keys set to a value that is not (qlora, other optimizers, ...)."""
     out = []
     out += _quantization_refusals(d)
     if (d.get("optimizer") or "adamw_torch") not in OPTIMIZERS:  # an empty value is the default, as in Axolotl
         out.append(f"optimizer={d['optimizer']!r}: use one of {', '.join(OPTIMIZERS)}")
     if (d.get("lr_scheduler") or "cosine") not in SCHEDULERS:
         out.append(f"lr_scheduler={d['lr_scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
-    if d.get("fp16"):
-        out.append("fp16=True: fp16 needs loss scaling, which is not implemented; use bf16: true")
     if d.get("bf16", "auto") not in (True, False, "auto"):
         out.append(f"bf16={d['bf16']!r}; use true, false or auto")
     for key in ("save_strategy", "eval_strategy"):

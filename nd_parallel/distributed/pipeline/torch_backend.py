@@ -69,12 +69,21 @@ class PipelineLoss:
         self.training = False  # set per call: evaluation keeps the full logits
         self.stats: list[torch.Tensor] | None = None  # token sums per call, when the caller asks (token_stats)
         self.metadata_call = False  # True while torch infers metadata on garbage (mark_metadata_calls)
+        # fp16's loss scale: () -> 0-d tensor (grad_scaler.MeshGradScaler.loss_scale), set by the integration. The
+        # schedule runs backward on what this returns, so the scale must multiply it here, not in
+        # accelerator.backward; ``scale`` is the value taken for the current step, divided out of the loss returned.
+        self.grad_scale = None
+        self.scale: torch.Tensor | None = None
 
     def chunks(self) -> bool:
         """Whether the last stage hands over hidden states this call (its runner asks before each forward)."""
         return self.training and self.head is not None and self.head.enabled
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self._loss(output, labels)
+        return loss if self.scale is None else loss * self.scale
+
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.chunks():
             targets = labels if self.shifted else shifted_targets(labels, None)
             return self.head.loss(output, targets, self.total_tokens)
@@ -177,6 +186,7 @@ class PipelineModel(nn.Module):
             side["attention_mask"] = torch.ones_like(input_ids)  # a mask turns transformers' packing detection off
         self.loss.shifted = self.cp is not None or shifted
         self.loss.training = not evaluating
+        self.loss.scale = self.loss.grad_scale() if self.loss.grad_scale is not None and not evaluating else None
         self.loss.total_tokens = global_label_tokens(labels, self.mesh, num_items_in_batch, shifted=self.loss.shifted)
         schedule = self._schedule_for(tuple(input_ids.shape))
         losses: list[torch.Tensor] = []
@@ -245,6 +255,8 @@ class PipelineModel(nn.Module):
     def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Sum of the micro-batch shares over dp/cp ranks, then sent from the last stage to every pp rank."""
         value = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=self.device)
+        if self.loss.scale is not None:  # fp16: the schedule's losses carry the loss scale (a power of two: exact)
+            value = value / self.loss.scale.to(value.device)
         return self._global_sum(value.to(self.device, torch.float32))
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
