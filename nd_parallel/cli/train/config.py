@@ -117,8 +117,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     bf16: bool | str = "auto"
     """true, false or "auto" (bf16 on GPUs that support it, fp32 on CPU ranks). Default auto."""
     fp16: bool = False
-    """fp16 mixed precision: fp16 compute, fp32 master weights, dynamic loss scaling (bf16: true wins, as in
-    Axolotl; float16: true is read as fp16: true, with a note)."""
+    """fp16 compute, fp32 master weights, dynamic loss scaling (bf16: true wins; float16: true reads as this)."""
     tf32: bool | str = False
     """Allow TF32 matmuls on CUDA; no effect on CPU."""
     gradient_checkpointing: bool = False
