@@ -1,4 +1,4 @@
-"""gpt-oss trained from its MXFP4 checkpoint form with `nd-parallel train` (tests/axolotl_configs/gpt_oss_mxfp4_fsdp2.yml:
+"""gpt-oss trained from its MXFP4 checkpoint form with `nd-parallel train` (test YAML gpt_oss_mxfp4_fsdp2.yml:
 model_quantization_config: Mxfp4Config, dequantize: true): FSDP2, TP2 and EP2 on 2 CPU ranks vs one process.
 
 The checkpoint is a tiny gpt-oss whose expert weights were packed into MXFP4 blocks and scales
