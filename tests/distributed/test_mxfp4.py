@@ -1,12 +1,14 @@
 """gpt-oss trained from its MXFP4 checkpoint form with `nd-parallel train` (test YAML gpt_oss_mxfp4_fsdp2.yml:
-model_quantization_config: Mxfp4Config, dequantize: true): FSDP2, TP2 and EP2 on 2 CPU ranks vs one process.
+model_quantization_config: Mxfp4Config, dequantize: true): FSDP2, TP2, EP2, CP2 and PP2 on 2 CPU ranks vs one
+process.
 
 The checkpoint is a tiny gpt-oss whose expert weights were packed into MXFP4 blocks and scales
 (nd_parallel/testing/mxfp4.py). The test YAML's keys are kept (gradient checkpointing, fsdp_config, the schedule);
-the paths, 3 steps and the layout are set here. The references run in one process: the MXFP4 checkpoint with dp 1
-and 2 (micro_batch_size doubled: the same global batches), and the same model saved in full precision with its
-expert weights on the FP4 grid, which a dequantizing load must equal exactly. Compared: every logged loss (rtol 1e-5)
-and the saved model (atol 1e-5); the saved model holds plain expert weights (no blocks or scales).
+the paths, 3 steps and the layout are set here (PP2: 2 samples per micro-batch, no accumulation). The references run
+in one process: the MXFP4 checkpoint on the same global batches (micro_batch_size doubled for dp 2), and the same
+model saved in full precision with its expert weights on the FP4 grid, which a dequantizing load must equal
+exactly. Compared: every logged loss (rtol 1e-5) and the saved model (atol 1e-5); the saved model holds plain
+expert weights (no blocks or scales).
 """
 
 import json
@@ -20,7 +22,11 @@ from nd_parallel.testing.models import make_text, save_tiny_model
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors, write_yaml
 
 YAML = Path(__file__).resolve().parent.parent / "axolotl_configs" / "gpt_oss_mxfp4_fsdp2.yml"
-LAYOUTS = {"fsdp2": ({}, 2), "tp2": ({"tensor_parallel_size": 2}, 1), "ep2": ({"ep_size": 2}, 2)}
+PP_BATCH = {"micro_batch_size": 2, "gradient_accumulation_steps": 1}  # PP's 2 micro-batches need 2 samples a step
+# layout -> (its keys, its one-process reference); dp 2 layouts compare with micro_batch_size doubled
+LAYOUTS = {"fsdp2": ({}, "ref2"), "tp2": ({"tensor_parallel_size": 2}, "ref1"), "ep2": ({"ep_size": 2}, "ref2"),
+           "cp2": ({"context_parallel_size": 2}, "ref1"), "pp2": ({"pipeline_parallel_size": 2, **PP_BATCH}, "ref_pp")}
+REFS = {"ref1": {}, "ref2": {"micro_batch_size": 2}, "ref_pp": PP_BATCH}
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
 
@@ -57,9 +63,8 @@ def runs(tmp_path_factory):
     parallel, refs = [], []
     for layout, (sizes, _) in LAYOUTS.items():
         parallel.append(write_yaml(root / f"{layout}.yml", {**base, **sizes, "output_dir": str(root / layout)}))
-    for dp in (1, 2):
-        refs.append(write_yaml(root / f"ref{dp}.yml", {**base, "output_dir": str(root / f"ref{dp}"),
-                                                        "micro_batch_size": base["micro_batch_size"] * dp}))
+    for name, keys in REFS.items():
+        refs.append(write_yaml(root / f"{name}.yml", {**base, **keys, "output_dir": str(root / name)}))
     grid = {k: v for k, v in base.items() if not k.startswith("model_quantization")}
     refs.append(write_yaml(root / "grid.yml", {**grid, "base_model": str(models["gpt_oss_grid"]),
                                                "output_dir": str(root / "grid")}))
@@ -82,8 +87,7 @@ def test_dequantized_checkpoint_trains_as_its_fp4_grid_model(runs):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mxfp4_checkpoint_matches_one_process(runs, layout):
-    dp = LAYOUTS[layout][1]
-    got, ref = runs / layout, runs / f"ref{dp}"
+    got, ref = runs / layout, runs / LAYOUTS[layout][1]
     losses, ref_losses = [r["loss"] for r in logged(got)], [r["loss"] for r in logged(ref)]
     assert [r["step"] for r in logged(got)] == [1, 2, 3]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
