@@ -12,7 +12,8 @@ peak is about its own shards plus one block, not the model.
 
 The values equal those of a plain ``from_pretrained``: the same bytes from the same file, cast to the
 parameter's dtype the way transformers casts them. Where that cannot be promised (weights that transformers
-*converts* on load, such as MoE experts stacked into one tensor; fp32-kept modules; non-safetensors files),
+*converts* on load, such as MoE experts stacked into one tensor or a quantization_config's tensors (gpt-oss' MXFP4
+blocks); fp32-kept modules; non-safetensors files),
 ``from_pretrained`` falls back to the plain path with a warning.
 """
 

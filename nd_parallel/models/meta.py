@@ -67,6 +67,12 @@ def _split_kwargs(path, hf_kwargs: dict):
                                                     **kwargs)
     if kwargs:
         raise PlainLoadNeeded(f"from_pretrained arguments {sorted(kwargs)}")
+    quantized = getattr(config, "quantization_config", None)  # AutoConfig takes a passed one as an attribute too
+    if quantized is not None:  # its quantizer converts tensors on load (gpt-oss' MXFP4 blocks -> experts, bnb, ...)
+        method = (quantized.get("quant_method") if isinstance(quantized, dict)
+                  else getattr(quantized, "quant_method", ""))
+        raise PlainLoadNeeded(f"a quantization_config ({getattr(method, 'value', method)}): transformers' quantizer "
+                              "converts those tensors on load")
     return config, dtype, model_kwargs, key_mapping
 
 

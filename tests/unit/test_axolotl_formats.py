@@ -170,7 +170,7 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
     assert "5 setting(s) cannot be used" in message and "valid keys are" not in message, message
-    for needle in ("pre-quantized checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
+    for needle in ("pre-quantized NVFP4 checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
                    "llm-compressor recipes", "rl='orpo': nd-parallel train runs rl: dpo, ipo"):
         assert needle in message, (needle, message)
 

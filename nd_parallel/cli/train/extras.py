@@ -17,6 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
+from . import prequantized
 from .data import mistral
 from .streaming import streaming_notes, streaming_refusals
 
@@ -67,6 +68,10 @@ class AxolotlExtras:
     tokenizer_use_mistral_common: bool = False
     """Tokenize with the checkpoint's mistral-common tokenizer (tekken.json / tokenizer.model.v<N>), which renders
     chat_template conversations itself (data/mistral.py). Axolotl turns it on for names with "magistral"."""
+    model_quantization_config: str | None = None
+    """How a pre-quantized checkpoint is read: Mxfp4Config (with dequantize: true) only (prequantized.py)."""
+    model_quantization_config_kwargs: dict | None = None
+    """model_quantization_config's arguments: Mxfp4Config's dequantize (must be true), modules_to_not_convert."""
     qat: dict | None = None
     """Quantization-aware training: Axolotl's {activation_dtype, weight_dtype, group_size, quantize_embedding,
     fake_quant_after_n_steps}; the Linears fake-quantized after loading (nd_parallel/models/qat.py)."""
@@ -105,7 +110,7 @@ def extra_refusals(d: dict) -> list[str]:
                        "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
         elif d.get("adapter") not in ("lora", "qlora"):
             out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
-    out += _moe_quantization(d) + _qat(d)
+    out += _moe_quantization(d) + _qat(d) + prequantized.refusals(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")

@@ -72,18 +72,14 @@ REFUSED = {
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
-    "model_quantization_config": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: use the "
-                                 "unquantized checkpoint (with load_in_4bit and adapter: qlora for a 4-bit base)",
-    "model_quantization_config_kwargs": "pre-quantized checkpoint formats (torchao, FP8, MXFP4) are not loaded: "
-                                        "use the unquantized checkpoint",
     "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
                                  "is not supported: use adapter: lora (lora_target_parameters for the experts)",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
     "nvfp4_merge_aware": "NVFP4 fake-quantized training of a pre-quantized NVFP4 checkpoint's experts is not "
-                         "supported (pre-quantized checkpoints are not loaded): use the unquantized checkpoint with "
-                         "adapter: lora",
+                         "supported (pre-quantized NVFP4 checkpoints are not loaded): use the unquantized checkpoint "
+                         "with adapter: lora",
     "nvfp4_merge_aware_start_step": "belongs to nvfp4_merge_aware (NVFP4 fake-quantized training), not supported",
     "dsv4_fp4_grouped_mode": "FP4 grouped expert kernels for a pre-quantized checkpoint are not supported (such "
                              "checkpoints are not loaded): use the unquantized checkpoint",

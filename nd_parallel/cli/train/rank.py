@@ -23,6 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
+from . import prequantized
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -47,6 +48,7 @@ def _model(t: TrainConfig, tokenizer):
             print(f"[nd_parallel] attention: {t.base_model} has no SDPA path; using eager attention", flush=True)
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
+    extra.update(prequantized.load_kwargs(t))  # Mxfp4Config(dequantize=True): MXFP4 experts read as fp32 weights
     with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
                  else AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
