@@ -211,3 +211,12 @@ def test_curriculum_sampling_trains_in_order(tmp_path, data):
     args = trainer_arguments(cfg, "x", train_rows=40, eval_rows=0, dp=2)
     assert args["train_sampling_strategy"] == "sequential"
     assert "train_sampling_strategy" not in trainer_arguments(_config(tmp_path, data), "x", 40, 0, 2)
+
+
+def test_a_micro_batch_the_pipeline_cannot_split_is_refused_before_the_ranks(tmp_path, data):
+    """pipeline_parallel_size 2 splits each micro-batch into 2 pipeline micro-batches (pp_microbatches defaults to
+    pp_size): micro_batch_size 1 was refused only on the ranks, at prepare; now in the job stage, with the fix."""
+    with pytest.raises(ConfigError, match=r"micro_batch_size=1 cannot be split into pp_microbatches=2 .* multiple"):
+        check_layout_rules(_config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2), "c.yml")
+    check_layout_rules(_config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2, pp_microbatches=1), "c.yml")
+    check_layout_rules(_config(tmp_path, data, micro_batch_size=4, pipeline_parallel_size=2), "c.yml")

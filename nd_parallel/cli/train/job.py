@@ -189,6 +189,12 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
 
 
 def check_layout_rules(cfg: TrainConfig, path) -> None:
+    layout = cfg.parallel
+    if layout.pp_size > 1 and cfg.micro_batch_size % layout.microbatches:  # the ranks' check, before they start
+        raise ConfigError(f"{path}: micro_batch_size={cfg.micro_batch_size} cannot be split into "
+                          f"pp_microbatches={layout.microbatches} pipeline micro-batches (pipeline_parallel_size="
+                          f"{layout.pp_size}); set micro_batch_size to a multiple of {layout.microbatches}, or "
+                          "pp_microbatches to a divisor of it")
     if cfg.parallel.pp_size > 1 and cfg.parallel.pp_backend == "deepspeed" and cfg.gradient_accumulation_steps > 1:
         # DeepSpeed all-reduces a tied weight's whole gradient at the end of every schedule run, so a second
         # accumulated run would count the first one's tied gradient twice.
