@@ -218,5 +218,6 @@ def test_a_micro_batch_the_pipeline_cannot_split_is_refused_before_the_ranks(tmp
     pp_size): micro_batch_size 1 was refused only on the ranks, at prepare; now in the job stage, with the fix."""
     with pytest.raises(ConfigError, match=r"micro_batch_size=1 cannot be split into pp_microbatches=2 .* multiple"):
         check_layout_rules(_config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2), "c.yml")
-    check_layout_rules(_config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2, pp_microbatches=1), "c.yml")
+    one = _config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2, pp_microbatches=1)
+    check_layout_rules(one, "c.yml")
     check_layout_rules(_config(tmp_path, data, micro_batch_size=4, pipeline_parallel_size=2), "c.yml")
