@@ -15,14 +15,12 @@ full fine-tuning TP row: max parameter difference 1.9e-5 at lr 1e-2, 1.9e-6 at l
 level difference is; losses and grad norms agree to 1e-6 relative either way).
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-WORKER = "tests/distributed/preference_worker.py"
+from tests.distributed import preference_rows
+from tests.distributed.preference_rows import launch_rows, rel
+
 ARGS = dict(gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0,
             max_length=48, bf16=False, beta=0.1)
@@ -34,47 +32,17 @@ ROWS = {"fsdp2_lora": ({"dp_shard_size": 2}, {"lora": True}),
         "tp2_full": ({"tp_size": 2}, {}),
         "cp2_lora": ({"cp_size": 2}, {"lora": True}),
         "cp2_full": ({"cp_size": 2}, {})}
-WORLD = 2
-
-
-def _dp(config):
-    return WORLD // (config.get("tp_size", 1) * config.get("cp_size", 1))
-
-
-def _args(per_rank):
-    return dict(ARGS, per_device_train_batch_size=per_rank, per_device_eval_batch_size=per_rank)
-
-
-def _key(row):
-    config, extras = ROWS[row]
-    return json.dumps([_dp(config), extras], sort_keys=True)
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model, launch_worker):
-    spec = {"model": tiny_model("llama"),
-            "runs": [[row, config, _args(PER_RANK), extras]
-                     for row, (config, extras) in ROWS.items()]}
-    return launch_worker("dpo_2r", WORKER, WORLD, spec)
+    return launch_rows(launch_worker, "dpo_2r", "dpo", tiny_model("llama"), ROWS, ARGS, PER_RANK)
 
 
 @pytest.fixture(scope="module")
 def references(tiny_model, memo, worker_env, tmp_path_factory):
-    """Every row's one-process DPOTrainer (per-device batch = the row's global batch), all in ONE process."""
-    def run_all():
-        out = tmp_path_factory.mktemp("dpo_ref")
-        keys = sorted({_key(r) for r in ROWS})
-        runs = [[f"ref{i}", None, _args(PER_RANK * json.loads(k)[0]), json.loads(k)[1]] for i, k in enumerate(keys)]
-        (out / "spec.json").write_text(json.dumps({"model": tiny_model("llama"), "runs": runs}))
-        subprocess.run([sys.executable, WORKER, str(out), str(out / "spec.json")], check=True, capture_output=True,
-                       env={**worker_env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
-        return {k: torch.load(out / f"ref{i}.pt", weights_only=True) for i, k in enumerate(keys)}
-
-    return lambda row: memo("all", run_all)[_key(row)]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+    return preference_rows.references("dpo", tiny_model("llama"), ROWS, ARGS, PER_RANK, memo, worker_env,
+                                      tmp_path_factory)
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -83,14 +51,14 @@ def test_dpo_trainer_matches_one_process(row, run, references):
     assert len(got["loss"]) == len(want["loss"]) == ARGS["max_steps"]
     for key in ("loss", "grad_norm", "logps/chosen"):
         for a, b in zip(got[key], want[key]):
-            assert _rel(a, b) <= 1e-5, (key, got[key], want[key])
+            assert rel(a, b) <= 1e-5, (key, got[key], want[key])
     for a, b in zip(got["rewards/margins"], want["rewards/margins"]):  # ~1e-3: compared absolutely
         assert abs(a - b) <= 1e-6, (got["rewards/margins"], want["rewards/margins"])
     assert max(abs(m) for m in want["rewards/margins"][1:]) > 1e-5  # the policy moved away from the reference
     assert len(got["eval_loss"]) == len(want["eval_loss"]) >= 1  # from step 2 on, on 8 other pairs
     for key in ("eval_loss", "eval_logps/chosen"):
         for a, b in zip(got[key], want[key]):
-            assert _rel(a, b) <= 1e-5, (key, got[key], want[key])
+            assert rel(a, b) <= 1e-5, (key, got[key], want[key])
     assert set(got["state"]) == set(want["state"])
     diff = max((got["state"][k] - v).abs().max().item() for k, v in want["state"].items())
     assert diff <= 1e-5, diff

@@ -12,14 +12,12 @@ from step 2 on (rtol 1e-5), the KL estimates (4 fp32 ulps of the log-prob sums t
 parameter at the end (atol 1e-5). lr 1e-3, for the reason test_dpo.py gives (a difference of log-prob gradients).
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-WORKER = "tests/distributed/preference_worker.py"
+from tests.distributed import preference_rows
+from tests.distributed.preference_rows import launch_rows, rel
+
 ARGS = dict(gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
             adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0,
             max_length=48, bf16=False, beta=0.1, desirable_weight=1.5)
@@ -29,47 +27,17 @@ ROWS = {"fsdp2_lora": ({"dp_shard_size": 2}, {"lora": True}),
         "tp2_lora": ({"tp_size": 2}, {"lora": True}),
         "cp2_lora": ({"cp_size": 2}, {"lora": True}),
         "cp2_full": ({"cp_size": 2}, {})}
-WORLD = 2
-
-
-def _dp(config):
-    return WORLD // (config.get("tp_size", 1) * config.get("cp_size", 1))
-
-
-def _args(per_rank):
-    return dict(ARGS, per_device_train_batch_size=per_rank, per_device_eval_batch_size=per_rank)
-
-
-def _key(row):
-    config, extras = ROWS[row]
-    return json.dumps([_dp(config), extras], sort_keys=True)
 
 
 @pytest.fixture(scope="module")
 def run(tiny_model, launch_worker):
-    spec = {"trainer": "kto", "model": tiny_model("llama"),
-            "runs": [[row, config, _args(PER_RANK), extras] for row, (config, extras) in ROWS.items()]}
-    return launch_worker("kto_2r", WORKER, WORLD, spec)
+    return launch_rows(launch_worker, "kto_2r", "kto", tiny_model("llama"), ROWS, ARGS, PER_RANK)
 
 
 @pytest.fixture(scope="module")
 def references(tiny_model, memo, worker_env, tmp_path_factory):
-    """Every row's one-process KTOTrainer (per-device batch = the row's global batch), all in ONE process."""
-    def run_all():
-        out = tmp_path_factory.mktemp("kto_ref")
-        keys = sorted({_key(r) for r in ROWS})
-        runs = [[f"ref{i}", None, _args(PER_RANK * json.loads(k)[0]), {**json.loads(k)[1], "prepare_batch": PER_RANK}]
-                for i, k in enumerate(keys)]
-        (out / "spec.json").write_text(json.dumps({"trainer": "kto", "model": tiny_model("llama"), "runs": runs}))
-        subprocess.run([sys.executable, WORKER, str(out), str(out / "spec.json")], check=True, capture_output=True,
-                       env={**worker_env, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"})
-        return {k: torch.load(out / f"ref{i}.pt", weights_only=True) for i, k in enumerate(keys)}
-
-    return lambda row: memo("all", run_all)[_key(row)]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+    return preference_rows.references("kto", tiny_model("llama"), ROWS, ARGS, PER_RANK, memo, worker_env,
+                                      tmp_path_factory, reference_extras={"prepare_batch": PER_RANK})
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -78,11 +46,11 @@ def test_kto_trainer_matches_one_process(row, run, references):
     assert len(got["loss"]) == len(want["loss"]) == ARGS["max_steps"]
     for key in ("loss", "grad_norm"):
         for a, b in zip(got[key], want[key]):
-            assert _rel(a, b) <= 1e-5, (key, got[key], want[key])
+            assert rel(a, b) <= 1e-5, (key, got[key], want[key])
     for key in ("logps/chosen", "logps/rejected", "eval_loss", "eval_logps/chosen"):
         assert [x is None for x in got[key]] == [x is None for x in want[key]], key  # a step without that label
         for a, b in zip(got[key], want[key]):
-            assert a is None or _rel(a, b) <= 1e-5, (key, got[key], want[key])
+            assert a is None or rel(a, b) <= 1e-5, (key, got[key], want[key])
     # The KL estimate is a mean of differences of two sequence log-prob sums of ~|40..60| (policy - reference): a
     # different fp32 summation order moves each sum by about one ulp of its size, so it is compared to 4 ulps of
     # the largest sum, not relatively (the difference itself is ~1e-2).
