@@ -16,10 +16,40 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
 MB = 2**20
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+def rss_status() -> dict[str, int]:
+    """VmRSS / RssAnon / RssFile of this process in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class PeakSampler(threading.Thread):
+    """Highest RssAnon and RssFile seen, sampled every ``interval`` seconds (ru_maxrss has only the total).
+    ``stop.set()`` then ``sample()`` takes the last reading."""
+
+    def __init__(self, interval: float = 0.002):
+        super().__init__(daemon=True)
+        self.interval, self.anon, self.file, self.stop = interval, 0, 0, threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.sample()
+            time.sleep(self.interval)
+
+    def sample(self):
+        s = rss_status()
+        self.anon, self.file = max(self.anon, s.get("RssAnon", 0)), max(self.file, s.get("RssFile", 0))
 
 
 # --------------------------------------------------------------------------------------------- command line

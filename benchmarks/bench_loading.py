@@ -22,13 +22,13 @@ from __future__ import annotations
 import resource
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import _common
 import torch
-from _common import MB
+from _common import MB, PeakSampler
+from _common import rss_status as _status
 
 # name -> (ranks, ParallelismConfig kwargs, ranks the weights are split over)
 LAYOUTS = {
@@ -37,33 +37,6 @@ LAYOUTS = {
     "fsdp4": (4, dict(dp_shard_size=4), 4),
     "fsdp2_tp2": (4, dict(dp_shard_size=2, tp_size=2), 4),
 }
-
-
-def _status() -> dict[str, int]:
-    """VmRSS / RssAnon / RssFile of this process in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-class PeakSampler(threading.Thread):
-    """Highest RssAnon and RssFile seen, sampled every ``interval`` seconds (ru_maxrss has only the total)."""
-
-    def __init__(self, interval: float = 0.002):
-        super().__init__(daemon=True)
-        self.interval, self.anon, self.file, self.stop = interval, 0, 0, threading.Event()
-
-    def run(self):
-        while not self.stop.is_set():
-            self.sample()
-            time.sleep(self.interval)
-
-    def sample(self):
-        s = _status()
-        self.anon, self.file = max(self.anon, s.get("RssAnon", 0)), max(self.file, s.get("RssFile", 0))
 
 
 def _maxrss() -> int:

@@ -19,34 +19,28 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 _LOAD = r"""
-import contextlib, sys, threading, time, torch
+import contextlib, sys, torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from nd_parallel.models.quantized_experts import quantize_experts, quantizing_experts
 
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) / 1024
-
-top, stop = [0.0], []
-def watch():
-    while not stop:
-        top[0] = max(top[0], anon()); time.sleep(0.002)
+sys.path.insert(0, sys.argv[3])  # the benchmarks folder: _common's sampler
+from _common import PeakSampler, rss_status
 
 path, how = sys.argv[1], sys.argv[2]
 q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                        bnb_4bit_compute_dtype=torch.float32)
-base = anon()
-threading.Thread(target=watch, daemon=True).start()
+base, sampler = rss_status()["RssAnon"], PeakSampler()
+sampler.start()
 with quantizing_experts(4) if how == "as it loads" else contextlib.nullcontext():
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=q, device_map="cpu", dtype=torch.float32)
 if how == "after":
     quantize_experts(model, 4)
-time.sleep(0.05); stop.append(1)
+sampler.stop.set(); sampler.sample()
 held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-print(f"{top[0] - base:.0f} {held:.0f}")
+print(f"{(sampler.anon - base) / 2**20:.0f} {held:.0f}")
 """
 
 
@@ -62,7 +56,8 @@ def main() -> None:
             save_tiny_model("qwen3_moe", tmp, hidden_size=256, num_hidden_layers=layers, num_experts=64,
                             moe_intermediate_size=512, num_experts_per_tok=4)
             for how in ("float", "as it loads", "after"):
-                out = subprocess.run([sys.executable, "-c", _LOAD, tmp, how], capture_output=True, text=True,
+                here = str(Path(__file__).resolve().parent)
+                out = subprocess.run([sys.executable, "-c", _LOAD, tmp, how, here], capture_output=True, text=True,
                                      check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
                 print(f"{layers:>6}  {how:<12} {out[-2]:>21} {out[-1]:>16}", flush=True)
 

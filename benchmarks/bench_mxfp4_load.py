@@ -22,29 +22,22 @@ import tempfile
 from pathlib import Path
 
 _LOAD = r"""
-import sys, threading, time, torch
+import sys, time, torch
 from transformers import AutoModelForCausalLM, Mxfp4Config
 
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) / 1024
-
-top, stop = [0.0], []
-def watch():
-    while not stop:
-        top[0] = max(top[0], anon()); time.sleep(0.002)
+sys.path.insert(0, sys.argv[3])  # the benchmarks folder: _common's sampler
+from _common import PeakSampler, rss_status
 
 path, how = sys.argv[1], sys.argv[2]
 kwargs = {"quantization_config": Mxfp4Config(dequantize=True)} if how == "mxfp4" else {}
-base = anon()
-threading.Thread(target=watch, daemon=True).start()
+base, sampler = rss_status()["RssAnon"], PeakSampler()
+sampler.start()
 start = time.perf_counter()
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
 seconds = time.perf_counter() - start
-time.sleep(0.05); stop.append(1)
+sampler.stop.set(); sampler.sample()
 held = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-print(f"{top[0] - base:.0f} {held:.0f} {seconds:.2f}")
+print(f"{(sampler.anon - base) / 2**20:.0f} {held:.0f} {seconds:.2f}")
 """
 
 
@@ -65,8 +58,9 @@ def main() -> None:
             for how in ("plain", "mxfp4"):
                 path = Path(tmp) / how
                 disk = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20
-                out = subprocess.run([sys.executable, "-c", _LOAD, str(path), how], capture_output=True, text=True,
-                                     check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
+                here = str(Path(__file__).resolve().parent)
+                out = subprocess.run([sys.executable, "-c", _LOAD, str(path), how, here], capture_output=True,
+                                     text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
                 print(f"{layers:>6}  {how:<11} {disk:>11.0f} {out[-1]:>7} {out[-3]:>21} {out[-2]:>16}", flush=True)
 
 
