@@ -35,3 +35,18 @@ def test_fp16_keys_map_to_mixed_precision(tmp_path, data, keys, expected, note):
 def test_mixed_precision_order():
     assert mixed_precision(True, True) == "bf16" and mixed_precision("auto", True) == "fp16"
     assert mixed_precision(False, True) == "fp16" and mixed_precision(False, False) == "no"
+
+
+def test_float16_with_bf16_auto_is_bf16_on_a_bf16_gpu(tmp_path, data, monkeypatch):  # noqa: F811
+    """Axolotl's resolve_dtype: float16 does not set fp16, so bf16: auto still picks bf16 on a GPU that has it (its
+    openllama examples train bf16 on an H100), before float16 is looked at; fp16: true would win over auto."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    cfg = load_train_config(real_world(tmp_path, data, float16="true", fp16="false"))
+    assert _precision(cfg) == (True, False)
+    assert [n for n in cfg.notes if "float16" in n] == [
+        "float16: true with bf16: auto on a GPU with bf16: bf16 mixed precision is used, as in Axolotl"]
+    assert mixed_precision("auto", False, True) == "bf16" and mixed_precision("auto", True, True) == "fp16"
+    assert mixed_precision(False, False, True) == "fp16"

@@ -59,6 +59,8 @@ class AxolotlExtras:
     sampler; Axolotl's meaning). Several datasets are still mixed when shuffle_merged_datasets is on, as in Axolotl."""
     sample_packing_sequentially: bool | None = None
     """Accepted as read: packing here always lays samples into rows in their order (next-fit), what true asks for."""
+    float16: bool = False
+    """Axolotl's fp16 weights without loss scaling: trained as fp16 mixed precision (job.mixed_precision)."""
     lr_quadratic_warmup: bool = False
     """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
     get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
@@ -275,11 +277,10 @@ def extras_notes(d: dict) -> list[str]:
 
 
 def _half_precision(d: dict) -> list[str]:
-    """fp16 / float16 as Axolotl's resolve_dtype reads them: bf16: true wins over both; float16: true (fp16 weights,
-    no autocast; Axolotl's examples write it with fp16: false) is trained as fp16: true (half_precision_note says
-    why). Sets ``d["fp16"]``; refusal lines (none yet: every combination has Axolotl's meaning)."""
-    if d.pop("float16", None) is True:
-        d["fp16"] = True
+    """fp16 / float16 as Axolotl's resolve_dtype reads them (job.mixed_precision decides: bf16: true, then fp16: true,
+    then bf16: auto on a bf16 GPU, then float16: true). float16 (Axolotl: fp16 weights, no autocast, no loss scaling)
+    trains as fp16 mixed precision (half_precision_note says why). Refusal lines: none (every combination has
+    Axolotl's meaning)."""
     if d.get("bf16") is True and d.get("fp16"):
         d["fp16"] = False  # Axolotl: "if cfg.bf16: cfg.fp16 = False"
     return []
@@ -287,10 +288,14 @@ def _half_precision(d: dict) -> list[str]:
 
 def half_precision_note(d: dict) -> str | None:
     """The line printed when fp16 / float16 are read other than as written."""
+    from .job import mixed_precision
+
     if d.get("bf16") is True and (d.get("fp16") is True or d.get("float16") is True):
         key = "fp16" if d.get("fp16") is True else "float16"
         return f"{key}: true with bf16: true: bf16 mixed precision is used, as in Axolotl"
-    if d.get("float16") is True:
+    if d.get("float16") is True and mixed_precision(d.get("bf16", "auto")) == "bf16":  # auto on a bf16 GPU
+        return "float16: true with bf16: auto on a GPU with bf16: bf16 mixed precision is used, as in Axolotl"
+    if d.get("float16") is True and not d.get("fp16"):
         return ("float16: true (in Axolotl: weights loaded in fp16, no autocast, no loss scaling) trains as fp16: "
                 "true here: fp16 compute over fp32 master weights with dynamic loss scaling. Weights kept in fp16 "
                 "would lose AdamW's updates (an update below 2**-11 of a weight rounds away; eps=1e-8 is 0 in fp16)")

@@ -121,17 +121,20 @@ def read_jobs(path: str | os.PathLike) -> list[Job]:
 
 
 # ---------------------------------------------------------------------------------------- building a TrainJob
-def mixed_precision(bf16, fp16: bool = False) -> str:
-    """Accelerate's mixed_precision for the YAML's ``bf16`` and ``fp16``: bf16: true wins, then fp16: true (over
-    "auto", as in Axolotl); "auto" is bf16 only on GPUs that support it (on CPU ranks bf16 matmuls are slower than
-    fp32; Axolotl's auto -> fp16 fallback is not taken: write fp16: true for it)."""
+def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:
+    """Accelerate's mixed_precision for the YAML's ``bf16``, ``fp16`` and ``float16``, in Axolotl's resolve_dtype
+    order: bf16: true, then fp16: true (over "auto"), then "auto" (bf16 only on GPUs that support it: on CPU ranks
+    bf16 matmuls are slower than fp32; Axolotl's auto -> fp16 fallback is not taken: write fp16: true for it), then
+    float16: true (fp16, see extras.half_precision_note)."""
     import torch
 
-    if bf16 is not True and fp16:
+    if bf16 is True:
+        return "bf16"
+    if fp16:
         return "fp16"
-    if bf16 == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if bf16 else "no"
+    if bf16 == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp16" if float16 else "no"
 
 
 def _steps_per_epoch(cfg: TrainConfig, rows: int, dp: int) -> int:
@@ -167,7 +170,8 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         lr_scheduler_type=cfg.lr_scheduler, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         # transformers 5 reads a warmup_steps below 1 as a share of the steps (what warmup_ratio was)
         warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else (cfg.warmup_steps or 0),
-        bf16=mixed_precision(cfg.bf16, cfg.fp16) == "bf16", fp16=mixed_precision(cfg.bf16, cfg.fp16) == "fp16",
+        bf16=mixed_precision(cfg.bf16, cfg.fp16, cfg.float16) == "bf16",
+        fp16=mixed_precision(cfg.bf16, cfg.fp16, cfg.float16) == "fp16",
         logging_strategy="steps", logging_steps=1,  # one train_log.jsonl line per optimizer step
         eval_strategy=eval_strategy, save_strategy=save_strategy, save_total_limit=cfg.save_total_limit)
     if eval_strategy == "steps":
