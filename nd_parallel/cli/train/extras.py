@@ -60,7 +60,7 @@ class AxolotlExtras:
     sample_packing_sequentially: bool | None = None
     """Accepted as read: packing here always lays samples into rows in their order (next-fit), what true asks for."""
     float16: bool = False
-    """Axolotl's fp16 weights without loss scaling: trained as fp16 mixed precision (job.mixed_precision)."""
+    """Axolotl's fp16 weights without loss scaling: trained as fp16 mixed precision (mixed_precision)."""
     lr_quadratic_warmup: bool = False
     """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
     get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
@@ -276,8 +276,24 @@ def extras_notes(d: dict) -> list[str]:
     return [note for note in notes if note] + streaming_notes(d)
 
 
+def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:
+    """Accelerate's mixed_precision for the YAML's ``bf16``, ``fp16`` and ``float16``, in Axolotl's resolve_dtype
+    order: bf16: true, then fp16: true (over "auto"), then "auto" (bf16 only on GPUs that support it: on CPU ranks
+    bf16 matmuls are slower than fp32; Axolotl's auto -> fp16 fallback is not taken: write fp16: true for it), then
+    float16: true (fp16, see half_precision_note)."""
+    import torch
+
+    if bf16 is True:
+        return "bf16"
+    if fp16:
+        return "fp16"
+    if bf16 == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp16" if float16 else "no"
+
+
 def _half_precision(d: dict) -> list[str]:
-    """fp16 / float16 as Axolotl's resolve_dtype reads them (job.mixed_precision decides: bf16: true, then fp16: true,
+    """fp16 / float16 as Axolotl's resolve_dtype reads them (mixed_precision decides: bf16: true, then fp16: true,
     then bf16: auto on a bf16 GPU, then float16: true). float16 (Axolotl: fp16 weights, no autocast, no loss scaling)
     trains as fp16 mixed precision (half_precision_note says why). Refusal lines: none (every combination has
     Axolotl's meaning)."""
@@ -288,8 +304,6 @@ def _half_precision(d: dict) -> list[str]:
 
 def half_precision_note(d: dict) -> str | None:
     """The line printed when fp16 / float16 are read other than as written."""
-    from .job import mixed_precision
-
     if d.get("bf16") is True and (d.get("fp16") is True or d.get("float16") is True):
         key = "fp16" if d.get("fp16") is True else "float16"
         return f"{key}: true with bf16: true: bf16 mixed precision is used, as in Axolotl"

@@ -21,7 +21,7 @@ from nd_parallel.config import ConfigError, ParallelismConfig
 
 from .config import TrainConfig
 from .data.sources import DatasetSpec
-from .extras import check_installed, check_layout, scheduler_args
+from .extras import check_installed, check_layout, mixed_precision, scheduler_args
 
 if TYPE_CHECKING:
     from nd_parallel.testing.parity import Recipe
@@ -121,22 +121,6 @@ def read_jobs(path: str | os.PathLike) -> list[Job]:
 
 
 # ---------------------------------------------------------------------------------------- building a TrainJob
-def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:
-    """Accelerate's mixed_precision for the YAML's ``bf16``, ``fp16`` and ``float16``, in Axolotl's resolve_dtype
-    order: bf16: true, then fp16: true (over "auto"), then "auto" (bf16 only on GPUs that support it: on CPU ranks
-    bf16 matmuls are slower than fp32; Axolotl's auto -> fp16 fallback is not taken: write fp16: true for it), then
-    float16: true (fp16, see extras.half_precision_note)."""
-    import torch
-
-    if bf16 is True:
-        return "bf16"
-    if fp16:
-        return "fp16"
-    if bf16 == "auto" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp16" if float16 else "no"
-
-
 def _steps_per_epoch(cfg: TrainConfig, rows: int, dp: int) -> int:
     """Optimizer steps in one pass over `rows` samples: each dp rank takes ceil(rows / dp) of them."""
     return max(1, math.ceil(math.ceil(math.ceil(rows / dp) / cfg.micro_batch_size) / cfg.gradient_accumulation_steps))
