@@ -121,7 +121,8 @@ def test_skip_and_shuffle_buffer(tmp_path, data):
 
 def test_pretraining_windows_are_axolotls(tmp_path, data):
     """Packed: a long text becomes windows of sequence_len - 1 tokens overlapping by (sequence_len - 1) // 2, each +
-    EOS (Axolotl's PretrainTokenizationStrategy); unpacked: the text cut to sequence_len - 2 tokens + EOS."""
+    EOS (Axolotl's PretrainTokenizationStrategy); unpacked: the text cut to sequence_len - 2 tokens, no EOS (its
+    encode_streaming without concatenation), + EOS with pretraining_sample_concatenation."""
     from transformers import AutoTokenizer
 
     long = tmp_path / "long.jsonl"
@@ -143,7 +144,10 @@ def test_pretraining_windows_are_axolotls(tmp_path, data):
     assert two[1]["input_ids"][:L - 1] == ids[L - 1 - stride:2 * (L - 1) - stride]  # the overlap
     _, _, cut = _prepared(tmp_path / "u", data, sequence_len=L, max_steps=1, micro_batch_size=1,
                           pretraining_dataset=[{"path": str(long)}])
-    assert cut[0]["input_ids"] == ids[:L - 2] + [eos] and "position_ids" not in cut.column_names
+    assert cut[0]["input_ids"] == ids[:L - 2] and "position_ids" not in cut.column_names
+    _, _, joined = _prepared(tmp_path / "c", data, sequence_len=L, max_steps=1, micro_batch_size=1,
+                             pretraining_sample_concatenation=True, pretraining_dataset=[{"path": str(long)}])
+    assert joined[0]["input_ids"] == ids[:L - 2] + [eos]
 
 
 def test_streamed_sft_is_tokenized_as_files_are(tmp_path, data):
@@ -162,6 +166,21 @@ def test_a_missing_file_and_an_empty_stream_are_named(tmp_path, data):
         prepare(cfg, tmp_path / "work")
     cfg = _load(tmp_path, data, datasets=[{"path": data["alpaca"], "type": "alpaca"}], streaming=True, sequence_len=8)
     with pytest.raises(ConfigError, match="none of the 40 records read is left after tokenizing"):
+        prepare(cfg, tmp_path / "work")
+
+
+def test_a_stream_that_fails_says_why_not_that_nothing_was_left(tmp_path, data, monkeypatch):
+    """A failure inside the stream (a network error of a hub stream, a tokenizer error) is reported as itself."""
+    from nd_parallel.cli.train.data import streamed
+
+    def broken(*args):
+        def fn(batch, indices):
+            raise OSError("connection reset by peer")
+        return fn
+
+    monkeypatch.setattr(streamed, "_record_fn", broken)
+    cfg = _load(tmp_path, data, datasets=[{"path": data["alpaca"], "type": "alpaca"}], streaming=True)
+    with pytest.raises(ConfigError, match="reading the stream failed after 0 records: OSError: connection reset"):
         prepare(cfg, tmp_path / "work")
 
 

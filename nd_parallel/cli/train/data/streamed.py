@@ -6,7 +6,9 @@ needs, in the parent before any rank starts (the config side and the rules: cli/
 
 Tokenizing, Axolotl's meanings: a `pretraining` text (pretraining_dataset's `type: pretrain`) is cut into windows of
 sequence_len - 1 tokens overlapping by min(256, (sequence_len - 1) // 2), each + EOS (its PretrainTokenizationStrategy)
-when packed; unpacked, each text is cut to sequence_len - 2 tokens + EOS (its encode_streaming). Every other type is
+when packed; unpacked, each text is cut to sequence_len - 2 tokens (its encode_streaming), with no EOS unless
+``pretraining_sample_concatenation: true`` (then + EOS; Axolotl also appends one PAD token, label -100 and masked out,
+which is not written here). Every other type is
 tokenized as for local files (formats.py). Packing is packing.py's (whole samples, per-document position ids), per
 chunk; ``pretrain_multipack_attn: false`` and ``pretraining_sample_concatenation`` pack without them (the documents
 of a row attend to each other). Where Axolotl packs micro_batch_size x sequence_len tokens into one row and sets
@@ -34,6 +36,7 @@ def rows_needed(cfg, dp: int) -> int:
 def _pretraining_fn(spec, tokenizer, where: str, cfg):
     """Axolotl's pretraining tokenization of a batch of records (see the module docstring)."""
     L, eos, packed = cfg.sequence_len, tokenizer.eos_token_id, cfg.sample_packing
+    with_eos = eos is not None and (packed or cfg.pretraining_sample_concatenation is True)
     fix = f"set pretraining_dataset's 'text_column:' to the column holding the text (now {spec.text_field!r})"
 
     def fn(batch, indices):
@@ -43,7 +46,7 @@ def _pretraining_fn(spec, tokenizer, where: str, cfg):
                             return_overflowing_tokens=True, stride=min(256, (L - 1) // 2))
         else:
             enc = tokenizer(texts, truncation=True, max_length=L - 2, add_special_tokens=True)
-        ids = [list(seq) + ([eos] if eos is not None else []) for seq in enc["input_ids"]]
+        ids = [list(seq) + ([eos] if with_eos else []) for seq in enc["input_ids"]]
         return {"input_ids": ids, "labels": [list(seq) for seq in ids]}
 
     return fn
@@ -81,6 +84,7 @@ def _rows(stream, fn, cfg, wanted: int, count: dict):
             count["rows"] += 1
             if count["rows"] == wanted:
                 return
+    count["ended"] = True  # the stream ran out (with no row at all, datasets then refuses to write: said as such)
 
 
 def prepare_streamed(cfg, tokenizer, workdir: Path, dp: int) -> tuple[str, list[str], int]:
@@ -102,10 +106,13 @@ def prepare_streamed(cfg, tokenizer, workdir: Path, dp: int) -> tuple[str, list[
         train = datasets.Dataset.from_generator(_rows, cache_dir=cache, gen_kwargs={
             "stream": stream, "fn": fn, "cfg": cfg, "wanted": wanted, "count": count})
     except datasets.exceptions.DatasetGenerationError as err:  # a bad record: its ConfigError, named
-        cause = err.__cause__ or err.__context__
-        if isinstance(cause, ConfigError) or count["rows"]:  # no row at all: said below
-            raise (cause if isinstance(cause, ConfigError) else err) from None
-    if train is None or count["rows"] == 0:
+        cause = err.__cause__ or err.__context__ or err
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        if not (count.get("ended") and count["rows"] == 0):
+            raise ConfigError(f"{where}: reading the stream failed after {count['records']} records: "
+                              f"{type(cause).__name__}: {cause}") from cause  # a network or tokenizer error
+    if count["rows"] == 0:
         raise ConfigError(f"{where}: none of the {count['records']} records read is left after tokenizing and "
                           f"filtering (samples of {cfg.min_sample_len or 2} to sequence_len={cfg.sequence_len} tokens "
                           "with a trained token); check 'type:' / the text column, or raise sequence_len")
