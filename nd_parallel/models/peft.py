@@ -128,8 +128,9 @@ def linear_target_names(model: nn.Module, extra=None) -> list[str]:
     peft rewrites that, for Mixtral and Qwen3-MoE, to what it meant on their v4 classes, adding the router and the
     fused expert tensors, which Axolotl's list does not reach (and peft's ParamWrapper refuses lora_dropout)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-             if name and m is not head and (isinstance(m, nn.Linear) or "Linear" in type(m).__name__)}
+    # GPT-2's Conv1D too, as peft's all-linear has it (Axolotl's list misses it unquantized, and then adapts nothing)
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and m is not head and
+             (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" or "Linear" in type(m).__name__)}
     head_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and m is head}
     extra = [] if extra is None else [extra] if isinstance(extra, str) else list(extra)
     return sorted((names - head_names) | set(extra))

@@ -198,6 +198,8 @@ def test_lora_target_linear_is_axolotls_list_and_expert_lora_trains_without_drop
     model = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
     assert linear_target_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # no lm_head, router, experts
     assert linear_target_names(model, "w2") == ["k_proj", "o_proj", "q_proj", "v_proj", "w2"]
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2"))  # Conv1D layers, as peft's all-linear finds them
+    assert linear_target_names(gpt2) == ["c_attn", "c_fc", "c_proj"]
     lora = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.05, target_modules=linear_target_names(model)))
     assert not lora.peft_config["default"].target_parameters
     with pytest.raises(ValueError, match="lora_dropout != 0"):  # what the ranks stopped at before
