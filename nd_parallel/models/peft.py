@@ -13,6 +13,8 @@ a LoRA model on the meta device is loading's (``meta.build_meta_peft_model``). T
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -118,3 +120,42 @@ def check_targets(model: nn.Module, peft_config) -> None:
     raise ValueError(f"{type(peft_config).__name__}.target_modules={targets!r} matches no module of "
                      f"{type(model).__name__}; its Linear layers are named {leaves}: pick target_modules from these "
                      "(e.g. ['q_proj', 'v_proj']) or 'all-linear'")
+
+
+def linear_target_names(model: nn.Module, extra=None) -> list[str]:
+    """Axolotl's ``lora_target_linear`` (``find_all_linear_names``): the leaf names of the model's Linear layers
+    but the output head's, plus ``extra`` (``lora_target_modules``). Not peft's ``'all-linear'``: on transformers 5
+    peft rewrites that, for Mixtral and Qwen3-MoE, to what it meant on their v4 classes, adding the router and the
+    fused expert tensors, which Axolotl's list does not reach (and peft's ParamWrapper refuses lora_dropout)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # GPT-2's Conv1D too, as peft's all-linear has it (Axolotl's list misses it unquantized, and then adapts nothing)
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and m is not head and
+             (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D" or "Linear" in type(m).__name__)}
+    head_names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if name and m is head}
+    extra = [] if extra is None else [extra] if isinstance(extra, str) else list(extra)
+    return sorted((names - head_names) | set(extra))
+
+
+@contextmanager
+def expert_lora_without_dropout():
+    """Axolotl's ``_patch_peft_param_wrapper_dropout`` for the length of ``get_peft_model``: LoRA on a fused expert
+    tensor (peft's ParamWrapper; peft adds these itself for v4 expert names such as Mixtral's ``w1``/``w2``) is
+    built with dropout 0, since it cannot factor dropout out of an expert-indexed matmul, while the other LoRA
+    layers keep ``lora_dropout``. Yields the list of parameter names it built that way (for a note)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    built: list[str] = []
+    original = ParamWrapper.__init__
+
+    def init(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs):
+        if getattr(config, "lora_dropout", 0):
+            config = copy.copy(config)
+            config.lora_dropout = 0.0
+            built.append(parameter_name)
+        original(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs)
+
+    ParamWrapper.__init__ = init
+    try:
+        yield built
+    finally:
+        ParamWrapper.__init__ = original

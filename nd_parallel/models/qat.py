@@ -183,7 +183,7 @@ def _quantizers(options: QATOptions, embedding: bool = False) -> tuple[nn.Module
 
 
 # -------------------------------------------------------------------------------------------- the swap
-def _targets(model: nn.Module, options: QATOptions) -> list[tuple[str, nn.Module]]:
+def qat_targets(model: nn.Module, options: QATOptions) -> list[tuple[str, nn.Module]]:
     """(name, module) of every plain nn.Linear (and nn.Embedding with quantize_embedding), checked first."""
     kinds = (nn.Linear, nn.Embedding) if options.quantize_embedding else (nn.Linear,)
     found = [(n, m) for n, m in model.named_modules() if type(m) in kinds]
@@ -234,7 +234,7 @@ def prepare_qat(model: nn.Module, options: QATOptions | dict | None = None, **kw
     options = QATOptions.from_dict(options if options is not None else kwargs)
     if any(_is_fake(m) for m in model.modules()):
         raise ConfigError("prepare_qat: the model already has fake-quantized layers; call it once")
-    targets = _targets(model, options)
+    targets = qat_targets(model, options)
     for name, module in targets:
         _replace(model, name, _fake(module, options))
     stacked = [f"{e.name}.{p}" for e in expert_modules(model) for p in e.stacked]

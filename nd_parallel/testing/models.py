@@ -33,6 +33,27 @@ FAMILIES = {
     "qwen3": dict(tie_word_embeddings=False),
     "mistral": dict(tie_word_embeddings=False, sliding_window=None),
     "gemma": dict(tie_word_embeddings=True, pad_token_id=PAD_ID),
+    # Families whose defaults do not build at TINY's sizes or in 2 layers (found training Axolotl's examples, issue 19)
+    "gptj": dict(rotary_dim=8),  # its default rotary_dim (64) is wider than the tiny head (16)
+    # A 3:1 linear / full-attention hybrid: 2 default layers are both linear, and the cache then fails
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention"]),
+    "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    # MLA decompresses one key and value per query head: as many kv heads as heads; 4 experts in one routing group
+    "deepseek_v2": dict(num_key_value_heads=4, topk_group=1, n_group=1, num_experts_per_tok=2, n_routed_experts=4,
+                        moe_intermediate_size=32, first_k_dense_replace=1),
+    "glm4_moe_lite": dict(num_key_value_heads=4, topk_group=1, n_group=1, num_experts_per_tok=2, n_routed_experts=4,
+                          moe_intermediate_size=32, first_k_dense_replace=1),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32),  # its default layer_types is None, which the model indexes
+    # No kv-shared layers (the default shares 15 of 35: none would produce a cache in 2), per-layer sizes for 2
+    "gemma3n_text": dict(num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"], laurel_rank=8,
+                         altup_num_inputs=2, hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB,
+                         activation_sparsity_pattern=[0.0, 0.0], intermediate_size=[128, 128]),
+    # DBRX's checkpoints carry rope_theta and clip_qkv (8) in attn_config; its default config has neither, which
+    # its attention reads (transformers 5)
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, attn_config=dict(kv_n_heads=2, rope_theta=1e4,
+                 clip_qkv=8.0), ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
 }
 
 

@@ -199,3 +199,31 @@ def test_kto_trainer_options_that_cannot_be_exact_are_refused(layout, change, me
     with pytest.raises(NotImplementedError, match=message):
         check_kto_args(_dpo("KTOTrainer", **change), ParallelismConfig(**layout).resolve(2))
     check_kto_args(_dpo("KTOTrainer"), ParallelismConfig(dp_shard_size=2).resolve(2))
+
+
+def test_lora_target_linear_is_axolotls_list_and_expert_lora_trains_without_dropout():
+    """Axolotl's examples/mistral/mistral-qlora-fsdp.yml (Mixtral, lora_target_linear, lora_dropout 0.05): peft's
+    'all-linear' on a transformers 5 Mixtral adds the fused expert tensors, whose ParamWrapper refused the dropout.
+    Axolotl's list (the Linear layers' names) adapts the attention; experts named the v4 way train without dropout."""
+    from nd_parallel.models.peft import expert_lora_without_dropout, linear_target_names
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("mixtral"))
+    assert linear_target_names(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # no lm_head, router, experts
+    assert linear_target_names(model, "w2") == ["k_proj", "o_proj", "q_proj", "v_proj", "w2"]
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2"))  # Conv1D layers, as peft's all-linear finds them
+    assert linear_target_names(gpt2) == ["c_attn", "c_fc", "c_proj"]
+    lora = get_peft_model(model, LoraConfig(r=2, lora_dropout=0.05, target_modules=linear_target_names(model)))
+    assert not lora.peft_config["default"].target_parameters
+    with pytest.raises(ValueError, match="lora_dropout != 0"):  # what the ranks stopped at before
+        get_peft_model(AutoModelForCausalLM.from_config(tiny_config("mixtral")),
+                       LoraConfig(r=2, lora_dropout=0.05, target_modules=["q_proj", "w1", "w2", "w3"]))
+    with expert_lora_without_dropout() as undropped:
+        lora = get_peft_model(AutoModelForCausalLM.from_config(tiny_config("mixtral")),
+                              LoraConfig(r=2, lora_dropout=0.05, target_modules=["q_proj", "w1", "w2", "w3"]))
+    assert set(undropped) == {"gate_up_proj", "down_proj"}
+    q = lora.get_base_model().model.layers[0].self_attn.q_proj
+    assert isinstance(q.lora_dropout["default"], torch.nn.Dropout) and q.lora_dropout["default"].p == 0.05
+    from peft.tuners.lora.layer import ParamWrapper
+    assert ParamWrapper.__init__.__qualname__ == "ParamWrapper.__init__"  # peft's own again after the block
+    lora(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # the expert adapters train

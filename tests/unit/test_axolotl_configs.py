@@ -378,3 +378,11 @@ def test_a_batch_size_alone_is_read_as_axolotl_reads_it(tmp_path):
     assert not any(n.startswith("batch_size") for n in agreeing.notes)
     with pytest.raises(ConfigError, match=r"batch_size=0 must be an integer >= 1"):
         load_train_config(_write(tmp_path, "batch_size: 0\n"), environ={})
+
+
+def test_lora_dropout_with_parameter_targets_is_refused_in_the_config_stage(tmp_path):
+    """Axolotl's rule: peft's ParamWrapper (LoRA on parameter tensors) cannot apply dropout; refused before launch."""
+    head = "adapter: lora\nlora_target_parameters: [mlp.experts.down_proj]\n"
+    with pytest.raises(ConfigError, match=r"lora_dropout=0.05 with lora_target_parameters: .*set lora_dropout: 0"):
+        load_train_config(_write(tmp_path, head + "lora_dropout: 0.05\n"), environ={})
+    assert load_train_config(_write(tmp_path, head + "lora_dropout: 0\n"), environ={}).lora_target_parameters

@@ -144,3 +144,21 @@ def test_stacked_moe_experts_stay_unquantized_with_one_warning(caplog):
         swapped = prepare_qat(model, {"weight_dtype": "int4"})
     assert not any(".experts" in name for name in swapped) and "lm_head" in swapped
     assert "4 stacked MoE expert tensors, e.g. model.layers.0.mlp.experts.gate_up_proj" in caplog.text
+
+
+def test_group_size_against_a_local_model_is_refused_before_any_rank_starts(tmp_path):
+    """Axolotl's examples/qwen3/8b-qat-fsdp2.yml on a small model: group_size 256 did not divide its 64 features;
+    every rank raised that after launch. build_job checks it on the meta device from the local config.json."""
+    from nd_parallel.cli.train.config import load_train_config
+    from nd_parallel.cli.train.job import check_local_model
+    from nd_parallel.testing.models import tiny_config
+
+    tiny_config("llama").save_pretrained(tmp_path / "m")
+    base = f"base_model: {tmp_path / 'm'}\ndatasets:\n  - path: ./d.jsonl\n    type: completion\n"
+    path = tmp_path / "c.yml"
+    path.write_text(base + "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 256}\n")
+    with pytest.raises(ConfigError, match=r"c.yml: qat with base_model .*m: QAT int4 groups of 256 along the input "
+                                          r"features do not divide .*q_proj \(64\)"):
+        check_local_model(load_train_config(path, environ={}), ParallelismConfig(dp_shard_size=2).resolve(2), path)
+    path.write_text(base + "qat: {activation_dtype: int8, weight_dtype: int4, group_size: 32}\n")
+    check_local_model(load_train_config(path, environ={}), ParallelismConfig(dp_shard_size=2).resolve(2), path)

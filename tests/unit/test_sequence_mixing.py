@@ -156,3 +156,26 @@ def test_an_attention_mask_computed_in_the_layer_is_refused_under_cp_and_tp():
     with pytest.raises(NotImplementedError, match=r"self_attn \(DogeAttention\) computes its own attention mask.*"
                                                   r"tp_size=1"):
         check_tp(model, ParallelismConfig(tp_size=2))
+
+
+def test_cp_on_a_local_mamba_hybrid_is_refused_before_any_rank_starts(tmp_path):
+    """Axolotl's examples/nemotron-h/nano-30b-a3b-qlora-cp.yaml: the ranks refused CP on NemotronH's Mamba2 mixer
+    after launch; build_job now refuses it from the local config.json (meta device), with the same message."""
+    from types import SimpleNamespace
+
+    from nd_parallel.cli.train.job import check_local_model
+    from nd_parallel.config import ConfigError
+
+    for family in ("nemotron_h", "llama"):
+        tiny_config(family).save_pretrained(tmp_path / family)
+    cfg = SimpleNamespace(base_model=str(tmp_path / "nemotron_h"), base_model_config=None, trust_remote_code=True,
+                          qat=None, model_config={"output_router_logits": False})
+    cp2 = ParallelismConfig(dp_shard_size=1, cp_size=2).resolve(2)
+    with pytest.raises(ConfigError, match=r"c.yml: context_parallel_size=2 with base_model .*nemotron_h: "
+                                          r"NemotronHForCausalLM mixes tokens along the sequence outside attention: "
+                                          r"model.layers.0.mixer \(NemotronHMamba2Mixer.*use cp_size=1"):
+        check_local_model(cfg, cp2, "c.yml")
+    check_local_model(cfg, ParallelismConfig(dp_shard_size=2).resolve(2), "c.yml")  # no CP: no check
+    check_local_model(SimpleNamespace(**{**vars(cfg), "base_model": str(tmp_path / "llama")}), cp2, "c.yml")
+    hub = SimpleNamespace(**{**vars(cfg), "base_model": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"})
+    check_local_model(hub, cp2, "c.yml")  # not local: the ranks check the loaded model

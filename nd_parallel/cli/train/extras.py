@@ -112,6 +112,9 @@ def extra_refusals(d: dict) -> list[str]:
                        "[mlp.experts.gate_up_proj, mlp.experts.down_proj]")
         elif d.get("adapter") not in ("lora", "qlora"):
             out.append("lora_target_parameters without adapter: lora; set adapter: lora or drop it")
+        elif targets and d.get("lora_dropout"):  # Axolotl's rule: peft's ParamWrapper refuses dropout
+            out.append(f"lora_dropout={d['lora_dropout']!r} with lora_target_parameters: LoRA on parameter tensors "
+                       "cannot apply dropout (peft refuses it, and so does Axolotl); set lora_dropout: 0")
     out += _moe_quantization(d) + _qat(d) + prequantized.refusals(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):

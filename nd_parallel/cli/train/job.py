@@ -202,6 +202,41 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
             raise ConfigError(f"{path}: {err}") from None
 
 
+def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None:
+    """The ranks' model checks that a local config.json can answer, made on the meta device before any rank starts:
+    CP on a model that mixes tokens outside attention (a Mamba mixer, a short convolution:
+    context_parallel.hf.check_sequence_mixing; Axolotl's examples/nemotron-h/nano-30b-a3b-qlora-cp.yaml stopped
+    on the ranks), and QAT groups that do not divide a layer's input features (models.qat)."""
+    source = cfg.base_model_config or cfg.base_model
+    if not (layout.cp_size > 1 or cfg.qat) or not os.path.isfile(os.path.join(source, "config.json")):
+        return  # a hub name, or nothing to check: the ranks check the loaded model as before
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = {"trust_remote_code": True} if cfg.trust_remote_code else {}
+    try:
+        config = AutoConfig.from_pretrained(source, **remote, **(cfg.model_config or {}))
+        with torch.device("meta"):  # no memory: only the modules' classes and shapes are read
+            model = AutoModelForCausalLM.from_config(config, **remote)
+    except Exception:  # noqa: BLE001 - a model this cannot build is loaded, checked and explained by the ranks
+        return
+    if layout.cp_size > 1:
+        from nd_parallel.distributed.context_parallel.hf import check_sequence_mixing
+
+        try:
+            check_sequence_mixing(model)
+        except NotImplementedError as err:
+            raise ConfigError(f"{path}: context_parallel_size={layout.cp_size} with base_model {source}: {err}") \
+                from None
+    if cfg.qat:
+        from nd_parallel.models.qat import QATOptions, qat_targets
+
+        try:
+            qat_targets(model, QATOptions.from_dict(cfg.qat))
+        except ConfigError as err:
+            raise ConfigError(f"{path}: qat with base_model {source}: {err}") from None
+
+
 def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, quiet: bool = True):
     """(the ranks' TrainJob, the data.Prepared data) for a loaded config and a resolved layout."""
     from .data import prepare
@@ -209,6 +244,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     check_layout_rules(cfg, path)
     check_installed(cfg.optimizer, path)
     check_layout(cfg, layout, path)
+    check_local_model(cfg, layout, path)
     prepared = prepare(cfg, workdir, dp=layout.dp_size)  # a stream is read for this many dp ranks' batches
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:

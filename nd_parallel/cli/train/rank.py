@@ -69,12 +69,22 @@ def _model(t: TrainConfig, tokenizer):
         return model
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if t.lora_model_dir:
-        return PeftModel.from_pretrained(model, t.lora_model_dir, is_trainable=True)
-    targets = "all-linear" if t.lora_target_linear else t.lora_target_modules
-    return get_peft_model(model, LoraConfig(
-        r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-        modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t)))
+    from nd_parallel.models.peft import expert_lora_without_dropout, linear_target_names
+
+    # Axolotl's list of Linear names, not peft's "all-linear" (models/peft.py says how they differ on MoE models)
+    targets = linear_target_names(model, t.lora_target_modules) if t.lora_target_linear else t.lora_target_modules
+    with expert_lora_without_dropout() as undropped:
+        if t.lora_model_dir:
+            model = PeftModel.from_pretrained(model, t.lora_model_dir, is_trainable=True)
+        else:
+            model = get_peft_model(model, LoraConfig(
+                r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
+                modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t)))
+    if undropped and os.environ.get("RANK", "0") == "0":  # Axolotl warns the same
+        print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
+              f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
+              "other LoRA layers use it", flush=True)
+    return model
 
 
 def _from_config(t: TrainConfig, extra: dict):
