@@ -4,7 +4,8 @@ Muon (Keller Jordan; Moonshot AI's Moonlight scaling) runs SGD with Nesterov mom
 matrix and replaces the update by its orthogonalization, computed with a quintic Newton-Schulz iteration in bf16;
 the step is scaled by ``0.2 * sqrt(max(rows, cols))`` so that its RMS matches AdamW's and the same learning rate
 serves both. Everything else (embeddings, the LM head, norms, biases, 3-D expert tensors) takes AdamW with Muon's
-learning rate and weight decay. Weight decay is decoupled (``p *= 1 - lr * wd``) for both.
+learning rate and weight decay, except 1-D parameters (norms, biases), which are not decayed, as in the Trainer's
+AdamW. Weight decay is decoupled (``p *= 1 - lr * wd``).
 
 Why our own class: ``torch.optim.Muon`` is the same algorithm for 2-D parameters only, with no AdamW part; and on a
 DTensor the orthogonalization needs the whole matrix: Newton-Schulz of each rank's shard is not a shard of
@@ -94,7 +95,9 @@ class Muon(torch.optim.Optimizer):
 
     def _muon(self, p, group) -> None:
         state, m = self.state[p], group["momentum"]
-        buf = state.setdefault("momentum_buffer", torch.zeros_like(p.grad))
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        buf = state["momentum_buffer"]
         buf.mul_(m).add_(p.grad)
         update = p.grad.add(buf, alpha=m) if group["nesterov"] else buf
         rows, cols = p.shape
@@ -115,9 +118,13 @@ class Muon(torch.optim.Optimizer):
 
 
 def muon_param_groups(named_parameters) -> list[dict]:
-    """[Muon's group, AdamW's group] of the trainable parameters (``uses_muon`` decides)."""
-    muon, adamw = [], []
+    """Muon's group, AdamW's group and AdamW's group without weight decay (1-D parameters: norms and biases, which
+    the Trainer exempts from decay; Axolotl's factory leaves them out of the optimizer altogether) of the trainable
+    parameters (``uses_muon`` decides)."""
+    muon, adamw, flat = [], [], []
     for name, p in named_parameters:
         if p.requires_grad:
-            (muon if uses_muon(name, p) else adamw).append(p)
-    return [g for g in ({"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False}) if g["params"]]
+            (muon if uses_muon(name, p) else flat if p.ndim < 2 else adamw).append(p)
+    groups = ({"params": muon, "use_muon": True}, {"params": adamw, "use_muon": False},
+              {"params": flat, "use_muon": False, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]

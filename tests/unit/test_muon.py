@@ -51,8 +51,9 @@ def test_newton_schulz_orthogonalizes():
 def test_groups_and_refusals():
     params = {n: torch.nn.Parameter(torch.zeros(*s)) for n, s in SHAPES.items()} | {"norm.weight": torch.nn.Parameter(
         torch.zeros(16)), "experts.gate_up_proj": torch.nn.Parameter(torch.zeros(2, 16, 8))}
-    muon, adamw = muon_param_groups(params.items())
-    assert (muon["use_muon"], len(muon["params"]), adamw["use_muon"], len(adamw["params"])) == (True, 2, False, 4)
+    muon, adamw, flat = muon_param_groups(params.items())
+    assert (muon["use_muon"], len(muon["params"]), adamw["use_muon"], len(adamw["params"])) == (True, 2, False, 3)
+    assert flat == {"params": [params["norm.weight"]], "use_muon": False, "weight_decay": 0.0}
     with pytest.raises(ValueError, match=r"shapes \[\(2, 16, 8\)\] are in a use_muon group"):
         Muon([{"params": [params["experts.gate_up_proj"]], "use_muon": True}])
 
