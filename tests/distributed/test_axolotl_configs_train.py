@@ -164,9 +164,13 @@ def test_dpo_run_starts_at_the_reference(runs):
 
 def test_kto_run_starts_at_the_reference(runs):
     """rl: kto: at step 1 the LoRA policy equals the reference, so every log-ratio and the KL estimate are 0 and each
-    example's loss is 1 - sigmoid(0) = 0.5 times its label's weight (kto_desirable_weight 2.0, undesirable 1.0)."""
+    example's loss is 1 - sigmoid(0) = 0.5 times its label's weight (kto_desirable_weight 2.0, undesirable 1.0).
+    KTOTrainer reads the records in order (its sequential sampler; one file, no shuffle, no split), and under CP2
+    the first step's batch is records 0 and 1 of data/kto.jsonl: desirable, undesirable -> 0.5 * (2 + 1) / 2."""
     root, jobs = runs
     out = Path(jobs["llama3_kto_lora_cp2"].train.output_dir)
     losses = [row["loss"] for row in logged(out)]
-    assert any(abs(losses[0] - 0.5 * w) < 1e-6 for w in (1.0, 1.5, 2.0)), losses  # 2 examples: 0, 1 or 2 desirable
+    first = [json.loads(line)["label"] for line in (root / "data" / "kto.jsonl").read_text().splitlines()[:2]]
+    assert first == [True, False]
+    assert abs(losses[0] - 0.75) < 1e-6, losses
     assert losses[1] != losses[0] and all(map(math.isfinite, losses)), losses
