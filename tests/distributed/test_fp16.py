@@ -38,13 +38,17 @@ EXPECTED_SKIPPED = [True] + [False] * 9
 # correction Cauchy-Schwarz bounds |m/sqrt(v)| by sqrt(sum a_i**2 / b_i) = 1.04 (a_i, b_i the two averages'
 # weights). A rounding that moves a near-zero gradient element can thus move its weight by up to the whole
 # update, in opposite directions in the two runs: max |difference| <= 2 * 1.05 * lr per applied update (9 here).
-# That bound is all that holds for every element; the measured differences are far below it (printed, and in
-# the note of issue 19), and the loss and norm rows above are the tight check.
+# That bound holds for every element but also for two unrelated runs from the same init, so it proves nothing
+# alone. The bulk does: a flipped update needs a gradient element near zero, which fp16 rounding reaches for few
+# elements; any other difference (a wrong batch, shard or scale) moves most weights by up to the 9 updates. So 99.9%
+# of the weights must be within half of one update (lr / 2) of the reference (measured p99.9 <= 1.1e-4 = 0.11 lr on
+# every row); the max stays asserted against the per-element bound.
 FP16_U = 2.0 ** -11
 FP16_LOSS_RTOL = FP16_U
 FP16_NORM_RTOL = 4 * FP16_U
 LR = 1e-3
 PARAM_ATOL = 2 * 1.05 * LR * (STEPS - 1)
+PARAM_BULK = LR / 2
 
 LAYOUTS = {
     "one": (1, {}), "ddp2": (2, dict(dp_replicate_size=2)), "fsdp2": (2, dict(dp_shard_size=2)),
@@ -100,13 +104,13 @@ def test_fp16_matches_one_process_fp16(layout, family, results):
     norm_rel = max(abs(a - b) / abs(b) for a, b in finite)
     skipped_norms = [a for a, s in zip(run["norms"], ref["skipped"]) if s]
     diffs = torch.cat([(run["state"][k].float() - ref["state"][k].float()).abs().flatten() for k in ref["state"]])
-    bulk = diffs.sort().values[int(0.999 * (diffs.numel() - 1))].item()  # 99.9th percentile, for the record
+    bulk = diffs.sort().values[int(0.999 * (diffs.numel() - 1))].item()  # 99.9th percentile (see PARAM_BULK)
     print(f"fp16 {layout} {family}: loss_rel {loss_rel:.2e} norm_rel {norm_rel:.2e} param max {diffs.max():.2e} "
           f"p99.9 {bulk:.2e}")
     assert not any(math.isfinite(x) for x in skipped_norms), skipped_norms  # the overflow was seen, not hidden
     assert loss_rel <= FP16_LOSS_RTOL and norm_rel <= FP16_NORM_RTOL, (run["losses"], ref["losses"])
     assert set(run["state"]) == set(ref["state"])
-    assert diffs.max().item() <= PARAM_ATOL, (diffs.max().item(), bulk)
+    assert diffs.max().item() <= PARAM_ATOL and bulk <= PARAM_BULK, (diffs.max().item(), bulk)
     assert all(v.dtype == torch.float32 for v in run["state"].values())  # fp32 master weights
     assert not run["dtype_problems"], run["dtype_problems"]  # fp32 gradients and AdamW moments on every rank
     assert all(seen == ["input torch.float16", "weight torch.float16"] for seen in run["compute_dtypes"]), \
