@@ -10,7 +10,10 @@ per-example function of the example's log-ratio and the batch's KL estimate. Her
   this rank's batch, then over ``accelerator.gather_for_metrics`` (nd_parallel: the dp ranks), detached: with equal
   per-rank batches that is the global batch's mean, as in one process. Which completion pairs with which prompt is
   fixed when TRL prepares the dataset (completions rotated within blocks of ``per_device_train_batch_size`` rows),
-  so it depends on the per-device batch, as under TRL's own DDP.
+  so it depends on the per-device batch, as under TRL's own DDP. At an epoch's end, where the data leave the last
+  global batch short, Accelerate's gather_for_metrics keeps the first ranks' values only (one per rank, read as
+  samples), so that step's estimate is the mean over those ranks, again as under TRL's own DDP; runs that stay
+  within an epoch (the parity rows) are exact.
 
 Refused before any collective (``refuse_trl_options``): pipeline parallelism, ``precompute_ref_log_probs``,
 ``sync_ref_model``, the MoE router's auxiliary loss under dp or cp.
