@@ -7,7 +7,8 @@ keys/values they use that our test YAMLs (tests/axolotl_configs/) do not.
 The config stage is `load_train_config` (nd_parallel/cli/train/config.py): every key, value, fsdp/deepspeed setting
 and datasets entry is read and checked; no model or data file is opened, so hub names in base_model and datasets
 are read as they are. Each file is read as written (nothing localized). Prints the count, the refusal reasons by
-how many files they stop, and the coverage lists.
+how many files they stop, and the keys/values our test YAMLs miss, split into (a) those the config stage passes
+(each added alone to a minimal YAML) and (b) those it refuses, with the message.
 
     python benchmarks/axolotl_examples.py --git ... --axolotl-python .venv-axolotl/bin/python
 
@@ -51,23 +52,30 @@ def example_files(args) -> dict[str, str]:
 
 def uses(cfg: dict) -> set[tuple[str, str]]:
     """(key, value-or-"") pairs a YAML uses: values only for choice keys, list items for fsdp/plugins."""
-    out = set()
+    return set(patches(cfg))
+
+
+def patches(cfg: dict) -> dict[tuple[str, str], tuple[str, str, object]]:
+    """uses(cfg), each with how to add it to another YAML: (where, key, value), where is "" (a top-level key),
+    "list" (one item of a list key), a dict key (fsdp_config, gradient_checkpointing_kwargs) or "datasets"."""
+    out = {}
     for key, value in cfg.items():
-        out.add((key, ""))
+        out[(key, "")] = ("", key, value)
         if key in CHOICE_KEYS and isinstance(value, (str, bool, int, float)):
-            out.add((key, repr(value)))
+            out[(key, repr(value))] = ("", key, value)
         elif key in ("fsdp", "plugins", "eot_tokens") and isinstance(value, list):
-            out.update((key, repr(v)) for v in value)
+            out.update({(key, repr(v)): ("list", key, v) for v in value})
         elif key == "deepspeed" and isinstance(value, str):
-            out.add((key, os.path.basename(value)))
+            out[(key, os.path.basename(value))] = ("", key, value)
         elif key in ("fsdp_config", "gradient_checkpointing_kwargs") and isinstance(value, dict):
-            out.update((f"{key}.{k}", repr(v) if isinstance(v, (bool, str)) else "") for k, v in value.items())
+            out.update({(f"{key}.{k}", repr(v) if isinstance(v, (bool, str)) else ""): (key, k, v)
+                        for k, v in value.items()})
     for entry in cfg.get("datasets") or []:
         if isinstance(entry, dict):
             for key, value in entry.items():
-                out.add((f"datasets.{key}", repr(value) if key in DATASET_CHOICES else ""))
+                out[(f"datasets.{key}", repr(value) if key in DATASET_CHOICES else "")] = ("datasets", key, value)
                 if key == "split" and isinstance(value, str):
-                    out.add(("datasets.split", re.sub(r"\d+", "N", value)))
+                    out[("datasets.split", re.sub(r"\d+", "N", value))] = ("datasets", key, value)
     return out
 
 
@@ -83,6 +91,40 @@ def stage(text: str, tmp: Path) -> str | None:
     except ConfigError as err:
         return str(err)
     return None
+
+
+MINIMAL = {"base_model": "./m", "datasets": [{"path": "./d.jsonl", "type": "chat_template"}]}
+
+
+def split_missing(missing, patch_of, users, passed, tmp: Path) -> tuple[list, dict]:
+    """The keys/values our YAMLs miss, split into (a) those the config stage accepts and (b) those it refuses, with
+    why. Each is added alone to a minimal YAML (MINIMAL), once per value the examples give it (a key passes when one
+    of them does); one refused there still counts as accepted when an example file that uses it passes as a whole (a
+    value that needs its companions: load_in_8bit with adapter: lora)."""
+    import copy
+
+    import yaml
+
+    accepted, refused = [], {}
+    for pair in missing:
+        messages = []
+        for where, key, value in patch_of[pair]:
+            cfg = copy.deepcopy(MINIMAL)
+            if where == "":
+                cfg[key] = value
+            elif where == "list":
+                cfg[key] = [value]
+            elif where == "datasets":
+                cfg["datasets"][0][key] = value
+            else:
+                cfg.setdefault(where, {})[key] = value
+            messages.append(stage(yaml.safe_dump(cfg, sort_keys=False), tmp))
+        if None in messages or any(name in passed for name in users[pair]):
+            accepted.append(pair)
+        else:
+            lines = [line.strip()[2:] for line in messages[0].splitlines()[1:] if line.strip().startswith("- ")]
+            refused[pair] = " | ".join(lines or [messages[0]])
+    return accepted, refused
 
 
 # Run in Axolotl's venv: validate each file given; print {path: None | "Error: message"} as JSON.
@@ -136,7 +178,8 @@ def main() -> None:
     ap.add_argument("--axolotl-python", help="the python of Axolotl's venv: compare with Axolotl's own validation")
     args = ap.parse_args()
     files = example_files(args)
-    passed, stopped, theirs, refused = [], collections.Counter(), set(), {}
+    passed, stopped, refused = [], collections.Counter(), {}
+    patch_of, users = collections.defaultdict(list), collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
             try:
@@ -144,7 +187,10 @@ def main() -> None:
             except yaml.YAMLError:
                 continue
             if isinstance(cfg, dict):
-                theirs |= uses(cfg)
+                for pair, patch in patches(cfg).items():
+                    if patch not in patch_of[pair]:
+                        patch_of[pair].append(patch)
+                    users[pair].append(name)
             message = stage(text, Path(tmp))
             if message is None:
                 passed.append(name)
@@ -169,11 +215,19 @@ def main() -> None:
         print("refused by Axolotl, passed here:")
         for name in sorted(set(theirs_refused) - set(refused)):
             print(f"  {name}: Axolotl: {theirs_refused[name][:160]}")
+    theirs = set(patch_of)
     missing = sorted(theirs - ours)
+    with tempfile.TemporaryDirectory() as tmp:
+        accepted, refused_pairs = split_missing(missing, patch_of, users, set(passed), Path(tmp))
     print(f"\ncoverage: our {len(list(Path(args.ours).glob('*.yml')))} test YAMLs use {len(theirs & ours)} of the "
-          f"{len(theirs)} keys/values the examples use; not used by ours ({len(missing)}):")
-    for key, value in missing:
+          f"{len(theirs)} keys/values the examples use; not used by ours: {len(missing)}, of which "
+          f"(a) {len(accepted)} pass the config stage, (b) {len(refused_pairs)} are refused here")
+    print(f"\n(a) passed by the config stage, used by no test YAML of ours ({len(accepted)}):")
+    for key, value in accepted:
         print(f"  {key} {value}".rstrip())
+    print(f"\n(b) refused by the config stage ({len(refused_pairs)}), with its message (cut):")
+    for (key, value), why in refused_pairs.items():
+        print(f"  {key} {value}".rstrip() + f"  -- {why[:110]}")
 
 
 if __name__ == "__main__":
