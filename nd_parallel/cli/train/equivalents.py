@@ -275,10 +275,21 @@ EP_ALONE = ("expert_parallel_size without dp_shard_size: the experts are split o
             "replicates them): the same training")
 
 
+OWN_PLUGIN = "nd_parallel.plugins.axolotl.NDParallelAxolotlPlugin"  # what nd-parallel train is already
+
+
 def plugins(d: dict, keys: dict[str, str]) -> Mapped:
     """What the plugin keys set in `d` do here: expert_parallel_size -> ep_size (where nd_parallel has it);
-    kernel switches accepted with one line each."""
+    kernel switches accepted with one line each. A plugin outside ``PLUGINS`` (the diffusion objective, LLM
+    Compressor's sparsity, third-party ones) would change training under Axolotl: refused, never dropped."""
     out = Mapped()
+    for name in d.get("plugins") or []:
+        if not isinstance(name, str):
+            out.refused.append(f"plugins: {name!r}; list plugin class paths (strings)")
+        elif name not in PLUGINS and name != OWN_PLUGIN:
+            out.refused.append(f"plugins: {name!r} is not run by nd-parallel train (under Axolotl it may change what "
+                               f"is trained); remove it, or run the YAML with Axolotl and the nd_parallel plugin "
+                               f"(docs/axolotl.md). Known here: {', '.join(sorted(PLUGINS))}")
     for key, why in keys.items():
         value = d.get(key)
         if value in (None, False, 0, "", []):
