@@ -143,6 +143,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
     no_evals = cfg.evals_per_epoch == 0 and cfg.eval_steps is None  # Axolotl's evals_per_epoch: 0 = no evaluation
     eval_strategy = "no" if not eval_rows or no_evals else cfg.eval_strategy or ("steps" if eval_every else "epoch")
     save_strategy = cfg.save_strategy or ("steps" if save_every else "no")
+    precision = mixed_precision(cfg.bf16, cfg.fp16, cfg.float16)
     args = dict(
         output_dir=cfg.output_dir, run_name=name, report_to=[], disable_tqdm=True, remove_unused_columns=False,
         use_cpu=not torch.cuda.is_available(), seed=cfg.seed,
@@ -154,8 +155,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         lr_scheduler_type=cfg.lr_scheduler, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         # transformers 5 reads a warmup_steps below 1 as a share of the steps (what warmup_ratio was)
         warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else (cfg.warmup_steps or 0),
-        bf16=mixed_precision(cfg.bf16, cfg.fp16, cfg.float16) == "bf16",
-        fp16=mixed_precision(cfg.bf16, cfg.fp16, cfg.float16) == "fp16",
+        bf16=precision == "bf16", fp16=precision == "fp16",
         logging_strategy="steps", logging_steps=1,  # one train_log.jsonl line per optimizer step
         eval_strategy=eval_strategy, save_strategy=save_strategy, save_total_limit=cfg.save_total_limit)
     if eval_strategy == "steps":
@@ -183,7 +183,7 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
                           f"pp_microbatches={layout.microbatches} pipeline micro-batches (pipeline_parallel_size="
                           f"{layout.pp_size}); set micro_batch_size to a multiple of {layout.microbatches}, or "
                           "pp_microbatches to a divisor of it")
-    if cfg.parallel.pp_size > 1 and cfg.parallel.pp_backend == "deepspeed" and cfg.gradient_accumulation_steps > 1:
+    if layout.pp_size > 1 and layout.pp_backend == "deepspeed" and cfg.gradient_accumulation_steps > 1:
         # DeepSpeed all-reduces a tied weight's whole gradient at the end of every schedule run, so a second
         # accumulated run would count the first one's tied gradient twice.
         raise ConfigError(f"{path}: gradient_accumulation_steps={cfg.gradient_accumulation_steps} with "

@@ -244,22 +244,10 @@ def load_source(spec: DatasetSpec, cache_dir: str):
     """The spec's split as a `datasets.Dataset` (plus a `_source` label per record for error messages)."""
     import datasets
 
-    root = spec.resolved
-    if root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
-                                                      or (root / "dataset_dict.json").is_file()):
-        loaded = datasets.load_from_disk(str(root))
-        name = parse_split(spec.split)[0]
-        if isinstance(loaded, datasets.DatasetDict):
-            if name not in loaded:
-                raise ConfigError(f"{root}: no split {name!r} (it has {', '.join(loaded)}); set 'split:'")
-            loaded = loaded[name]
-        return _sliced(loaded, spec, str(root)), str(root)
-    files = _files(spec)
-    kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
-    if len(kinds) != 1 or None in kinds:
-        raise ConfigError(f"{spec.path}: cannot tell the format of {', '.join(map(str, files))}; set ds_type: "
-                          "json, parquet, csv, arrow or text, and keep one format per datasets entry")
-    kind = kinds.pop()
+    saved = _saved_split(spec)
+    if saved is not None:
+        return _sliced(saved, spec, str(spec.resolved)), str(spec.resolved)
+    kind, files = _file_format(spec)
     try:
         loaded = datasets.load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train",
                                        cache_dir=cache_dir)
@@ -267,6 +255,33 @@ def load_source(spec: DatasetSpec, cache_dir: str):
         raise ConfigError(f"cannot read {', '.join(map(str, files))} as {kind}: {err}") from None
     where = ", ".join(map(str, files))
     return _sliced(loaded, spec, where), where
+
+
+def _saved_split(spec: DatasetSpec):
+    """The split of a `save_to_disk` folder at spec.path (None when spec.path names data files)."""
+    import datasets
+
+    root = spec.resolved
+    if not (root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
+                                                           or (root / "dataset_dict.json").is_file())):
+        return None
+    loaded = datasets.load_from_disk(str(root))
+    name = parse_split(spec.split)[0]
+    if isinstance(loaded, datasets.DatasetDict):
+        if name not in loaded:
+            raise ConfigError(f"{root}: no split {name!r} (it has {', '.join(loaded)}); set 'split:'")
+        loaded = loaded[name]
+    return loaded
+
+
+def _file_format(spec: DatasetSpec) -> tuple[str, list[Path]]:
+    """(the `datasets` reader for spec's files, the files); one format per entry, else refused."""
+    files = _files(spec)  # a path that does not exist is refused here, naming it
+    kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise ConfigError(f"{spec.path}: cannot tell the format of {', '.join(map(str, files))}; set ds_type: "
+                          "json, parquet, csv, arrow or text, and keep one format per datasets entry")
+    return kinds.pop(), files
 
 
 def _sliced(loaded, spec: DatasetSpec, where: str):
@@ -282,17 +297,11 @@ def open_stream(spec: DatasetSpec):
 
     root = spec.resolved
     if root.exists() or Path(spec.path).suffix in DS_TYPES or spec.path.startswith((".", "/", "~")):
-        if root.is_dir() and spec.data_files is None and ((root / "dataset_info.json").is_file()
-                                                          or (root / "dataset_dict.json").is_file()):
-            loaded = datasets.load_from_disk(str(root))
-            if isinstance(loaded, datasets.DatasetDict):
-                loaded = loaded[parse_split(spec.split)[0]]
-            return loaded.to_iterable_dataset(), str(root)
-        files = _files(spec)  # a path that does not exist is refused here, naming it
-        kinds = {spec.ds_type or DS_TYPES.get(f.suffix) for f in files}
-        if len(kinds) != 1 or None in kinds:
-            raise ConfigError(f"{spec.path}: cannot tell the format of {', '.join(map(str, files))}; set ds_type")
-        stream = datasets.load_dataset(kinds.pop(), data_files={"train": [str(f) for f in files]}, split="train",
+        saved = _saved_split(spec)
+        if saved is not None:
+            return saved.to_iterable_dataset(), str(root)
+        kind, files = _file_format(spec)
+        stream = datasets.load_dataset(kind, data_files={"train": [str(f) for f in files]}, split="train",
                                        streaming=True)
         return stream, ", ".join(map(str, files))
     try:
