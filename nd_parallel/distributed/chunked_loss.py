@@ -43,6 +43,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from nd_parallel.config.loss import loss_chunk_for
 from nd_parallel.models.hf import decoder_slot, head_parameters
 
+from .eaft import is_default_causal_lm_loss
 from .linear_loss import LinearHead, linear_cross_entropy, linear_head
 from .loss import IGNORE_INDEX, own_loss_unshifted
 from .vocab_parallel import local_value, loss_context, sharded_logits, vocab_parallel_heads
@@ -267,10 +268,14 @@ class ChunkedHead:
         # A model whose forward computes its own cross-entropy on unshifted labels (cpmant) means another loss than
         # the shifted one computed here: it keeps its own.
         unshifted = self.enabled and own_loss_unshifted(model)
-        self.enabled = self.enabled and not unshifted
+        # A loss function set on the model (EAFT's entropy weights, or a user's) is another loss than the plain
+        # cross-entropy computed here: it gets the full logits.
+        custom = self.enabled and not is_default_causal_lm_loss(model)
+        self.enabled = self.enabled and not unshifted and not custom
         self.checked = not self.enabled
         if not self.enabled:
             why = "its forward computes its own loss on unshifted labels" if unshifted else \
+                "its loss_function is not transformers' ForCausalLMLoss" if custom else \
                 "no decoder slot or no logits_to_keep"
             logger.info("chunked loss off for %s: %s; it uses its own loss", type(model).__name__, why)
             return

@@ -1,13 +1,13 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
-Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; and with optimizer: muon), alpaca + LoRA
-(curriculum_sampling), chat_template with
-sample packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
-(gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2, linear
-LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks). The 24 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
-micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else
-in its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or
-adapter (atol 1e-5).
+Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; and with optimizer: muon; and with
+use_eaft on the same data), alpaca + LoRA (curriculum_sampling), chat_template with sample packing (full), alpaca +
+chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys (gradient_checkpointing,
+fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2,
+linear LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks).
+The 28 runs share one 2-rank launch, the references one process. For FSDP2 the reference's micro_batch_size is
+doubled (its one rank takes both dp ranks' samples: the same global batches); everything else in its YAML is the
+same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or adapter (atol 1e-5).
 """
 
 import pytest
@@ -38,6 +38,9 @@ def _variants(data):
         "alpaca_lora": dict(datasets=[alpaca], curriculum_sampling=True, **LORA),  # in order: the sequential sampler
         # Muon orthogonalizes each whole hidden matrix, all-gathered from its FSDP / TP shards (distributed/muon.py)
         "completion_muon": dict(datasets=[{"path": data["text"], "type": "completion"}], optimizer="muon"),
+        # EAFT: each token's loss weighted by its top-k entropy, the model's loss function under every layout
+        "completion_eaft": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25,
+                                eval_steps=2, use_eaft=True, eaft_alpha=0.5, eaft_k=8),
         "chat_packed": dict(datasets=[chat_entry(data["chat"])], sample_packing=True),
         "mixed_packed_lora": dict(datasets=[alpaca, chat_entry(data["chat"])], sample_packing=True, **LORA),
         # the keys of the real-world LoRA YAML (tests/unit/test_train_yaml.py) that change what a run does; no
@@ -73,9 +76,11 @@ def runs(tmp_path_factory):
     return root
 
 
-VARIANTS = ("completion", "completion_muon", "alpaca_lora", "chat_packed", "mixed_packed_lora", "real_world_lora")
+VARIANTS = ("completion", "completion_muon", "completion_eaft", "alpaca_lora", "chat_packed", "mixed_packed_lora",
+            "real_world_lora")
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
-EVALS = {"completion": 2, "real_world_lora": 1}  # eval_steps 2: step 2 and the last; evals_per_epoch: the last
+# eval_steps 2: step 2 and the last; evals_per_epoch: the last
+EVALS = {"completion": 2, "completion_eaft": 2, "real_world_lora": 1}
 
 
 @pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])
@@ -101,3 +106,12 @@ def test_same_yaml_matches_one_process(runs, variant, layout):
         assert max(v.abs().max().item() for k, v in tensors.items() if "lora_B" in k) > 0  # the adapter trained
         assert (got / "adapter_config.json").is_file() and not (got / "model.safetensors").exists()
     assert (got / "tokenizer.json").is_file()
+
+
+def test_eaft_changes_the_loss(runs):
+    """completion_eaft is completion with use_eaft: the same data and evaluation, so only the entropy weights make
+    its losses differ (a run that ignored use_eaft would match completion's exactly)."""
+    for dp in (1, 2):
+        plain, eaft = logged(runs / f"completion-ref{dp}"), logged(runs / f"completion_eaft-ref{dp}")
+        for a, b in zip(plain, eaft):
+            assert abs(a["loss"] - b["loss"]) > 0.05 * abs(a["loss"]), (a, b)

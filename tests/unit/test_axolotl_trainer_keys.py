@@ -221,3 +221,17 @@ def test_a_micro_batch_the_pipeline_cannot_split_is_refused_before_the_ranks(tmp
     one = _config(tmp_path, data, micro_batch_size=1, pipeline_parallel_size=2, pp_microbatches=1)
     check_layout_rules(one, "c.yml")
     check_layout_rules(_config(tmp_path, data, micro_batch_size=4, pipeline_parallel_size=2), "c.yml")
+
+
+def test_accelerator_config_sync_each_batch_is_read_and_the_rest_refused(tmp_path, data):
+    """sync_each_batch only decides whether DDP skips its all-reduce while accumulating: FSDP2 here reduces every
+    micro-batch (what true asks for), the same summed gradient either way; batch-splitting keys are refused."""
+    cfg = _config(tmp_path, data, accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": True}})
+    assert any("sync_each_batch" in note for note in cfg.notes)
+    assert not [n for n in _config(tmp_path, data, accelerator_config={
+        "gradient_accumulation_kwargs": {"sync_each_batch": False}}).notes if "sync_each_batch" in n]
+    message = _refusal(tmp_path, data, accelerator_config={"split_batches": True, "gradient_accumulation_kwargs": {
+        "num_steps": 4}})
+    assert "accelerator_config.split_batches=True: nd_parallel splits and accumulates batches itself" in message
+    assert "accelerator_config.gradient_accumulation_kwargs={'num_steps': 4}" in message
+    assert "accelerator_config=3: write a mapping" in _refusal(tmp_path, data, accelerator_config=3)

@@ -101,7 +101,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     lr_scheduler: str = "cosine"
     """One of keys.SCHEDULERS. Default cosine."""
     warmup_steps: int | float | None = None
-    """Linear warm-up steps; below 1, a share of the steps (as the Trainer and Axolotl's examples read it). Default 0."""
+    """Linear warm-up steps; below 1, a share of the steps (as the Trainer and Axolotl's examples read it); 0 default"""
     warmup_ratio: float | None = None
     """Warm-up as a share of the steps (instead of warmup_steps)."""
     weight_decay: float = 0.0
@@ -187,12 +187,11 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
 
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets", "notes", "liger",
                                                                  "attn_implementation"}
-# Axolotl keys read by equivalents.py rather than stored as they are
-# Axolotl switches for fused CUDA/Triton kernels of the same computation: accepted with one line each
+# KERNEL_KEYS: fused CUDA/Triton kernels of the same computation (one line each); MAPPED: read by equivalents.py
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
                "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16", "float16",
-          "torch_compile_mode", "gemma4_hybrid_attn_impl"}
+          "torch_compile_mode", "gemma4_hybrid_attn_impl", "accelerator_config"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
                   "tiled_mlp_use_original_mlp": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
@@ -333,7 +332,8 @@ def _types(d: dict) -> list[str]:
 def _mapped(data: dict, plugin_keys: dict) -> Mapped:
     out = Mapped().add(equivalents.attention(data)).add(equivalents.checkpointing_kwargs(
         data.get("gradient_checkpointing_kwargs"))).add(equivalents.fsdp_list(data.get("fsdp")))
-    out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys))
+    out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys)).add(
+        equivalents.accelerator_config(data))
     for key in KERNEL_KEYS:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")

@@ -190,6 +190,33 @@ def _zero(path: str) -> tuple[tuple[int, bool, bool] | None, str | None]:
     return (stage, on_cpu("offload_param"), on_cpu("offload_optimizer")), None
 
 
+def accelerator_config(d: dict) -> Mapped:
+    """Axolotl's ``accelerator_config`` (transformers' AcceleratorConfig). ``gradient_accumulation_kwargs.
+    sync_each_batch`` only chooses whether DDP skips its all-reduce on accumulation micro-batches: nd_parallel's
+    FSDP2 / HSDP reduce every micro-batch's gradients (what ``true`` asks for) and the summed gradient is the same
+    either way. The other keys change how batches are split or dispatched over the ranks, which nd_parallel decides
+    itself (the global batch is the same under every layout): refused."""
+    out, value = Mapped(), d.get("accelerator_config")
+    if value in (None, {}):
+        return out
+    if not isinstance(value, dict):
+        out.refused.append(f"accelerator_config={value!r}: write a mapping, e.g. {{gradient_accumulation_kwargs: "
+                           "{sync_each_batch: true}}")
+        return out
+    for key, sub in value.items():
+        kwargs = sub if key == "gradient_accumulation_kwargs" and isinstance(sub, dict) else None
+        if kwargs is not None and set(kwargs) <= {"sync_each_batch"} and kwargs.get("sync_each_batch") in (
+                None, True, False):
+            if kwargs.get("sync_each_batch"):
+                out.notes.append("accelerator_config.gradient_accumulation_kwargs.sync_each_batch: gradients are "
+                                 "reduced on every micro-batch here (FSDP2's reduce-scatter), as it asks")
+            continue
+        out.refused.append(f"accelerator_config.{key}={sub!r}: nd_parallel splits and accumulates batches itself "
+                           "(the same global batch under every layout); only gradient_accumulation_kwargs: "
+                           "{sync_each_batch: true | false} is read: drop the rest")
+    return out
+
+
 def deepspeed(d: dict) -> Mapped:
     """deepspeed: <ZeRO json> -> FSDP2 sharding over the data-parallel ranks (ZeRO-1/2/3 all train the same math
     as one process; FSDP2 also shards the parameters, which ZeRO-1/2 keep whole: less memory, same numbers)."""

@@ -19,6 +19,7 @@ from nd_parallel.config import ConfigError
 
 from . import prequantized
 from .data import mistral
+from .objective import ObjectiveOptions, objective_notes, objective_refusals
 from .streaming import streaming_notes, streaming_refusals
 
 # transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").
@@ -26,7 +27,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass(kw_only=True)
-class AxolotlExtras:
+class AxolotlExtras(ObjectiveOptions):
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -81,7 +82,7 @@ class AxolotlExtras:
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
-    out = streaming_refusals(d)  # pretraining_dataset becomes the streamed datasets entry (streaming.py)
+    out = streaming_refusals(d) + objective_refusals(d)  # streamed datasets entry; EAFT, cls_model_config
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common"):
@@ -276,7 +277,7 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d))
-    return [note for note in notes if note] + streaming_notes(d)
+    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

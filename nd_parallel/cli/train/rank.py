@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import prequantized
+from . import objective, prequantized
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -40,6 +40,7 @@ def _model(t: TrainConfig, tokenizer):
         from transformers import AutoConfig
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
+    extra.update(objective.config_kwargs(t, t.base_model_config or t.base_model, extra))  # cls_model_config
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
@@ -63,6 +64,7 @@ def _model(t: TrainConfig, tokenizer):
         _apply_liger(model, t.liger)
     if t.qat:  # after loading and resizing, before the adapter and the layout (Axolotl's order; models/qat.py)
         _fake_quantize(model, t.qat)
+    objective.install_loss(t, model)  # use_eaft: the model's loss function, kept by peft and every layout
     if t.adapter not in ("lora", "qlora"):
         if t.unfrozen_parameters:
             freeze_except(model, t.unfrozen_parameters)

@@ -1,0 +1,124 @@
+"""Axolotl's `use_eaft` (nd_parallel/distributed/eaft.py, cli/train/objective.py): the loss equals Axolotl's own
+eaft_loss bit for bit (its venv), is installed as the model's loss function, makes the chunked loss stand aside, and
+the keys are checked in the config stage. Under FSDP2 / TP2 / PP2 / CP2: tests/distributed/test_train_yaml_parity.py
+(completion_eaft)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from nd_parallel.config import ConfigError
+from nd_parallel.distributed.chunked_loss import ChunkedLoss
+from nd_parallel.distributed.eaft import eaft_causal_lm_loss, is_default_causal_lm_loss, use_eaft_loss
+from tests.unit.axolotl_venv import run_in_axolotl
+
+# Run in either venv: seeded logits and labels (some ignored), the loss with and without a token count, as JSON.
+SCRIPT = """
+import json, sys, torch
+from types import SimpleNamespace
+gen = torch.Generator().manual_seed(0)
+logits = torch.randn(2, 7, 50, generator=gen)
+labels = torch.randint(0, 50, (2, 7), generator=gen)
+labels[0, :3] = -100
+labels[1, 5] = -100
+cases = [(None, 1.0, 20), (17, 0.5, 5), (9, 2.0, 80)]
+out = []
+for count, alpha, k in cases:
+    n = None if count is None else torch.tensor(count)
+    if sys.argv[1] == "axolotl":
+        from axolotl.monkeypatch.loss.eaft import eaft_loss
+        out.append(eaft_loss(SimpleNamespace(logits=logits), labels, num_items_in_batch=n, alpha=alpha, k=k).item())
+    else:
+        from nd_parallel.distributed.eaft import eaft_causal_lm_loss
+        out.append(eaft_causal_lm_loss(logits, labels, 50, num_items_in_batch=n, alpha=alpha, k=k).item())
+print(json.dumps(out))
+"""
+
+
+def test_loss_is_axolotls_eaft_loss_bit_for_bit():
+    """fp32 logits (where both take the cross-entropy in fp32): Axolotl's shifted logits[:-1] / labels[1:] and
+    transformers' padded shift pick the same pairs; k above the vocabulary is clamped by both."""
+    theirs = run_in_axolotl("-c", SCRIPT, "axolotl")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "ours"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == theirs
+
+
+def test_weights_are_the_top_k_entropy():
+    """One label token: the loss is its cross-entropy times the entropy of its top-k softmax, raised to alpha; a
+    confident prediction (one large logit) weighs less than a flat one."""
+    logits = torch.tensor([[[0.0, 1.0, 2.0, 3.0], [5.0, 0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[-100, 2]])
+    p = torch.softmax(torch.tensor([3.0, 2.0]), 0)
+    entropy = -(p * torch.log(p + 1e-10)).sum()
+    ce = torch.nn.functional.cross_entropy(logits[0, :1], torch.tensor([2]))
+    got = eaft_causal_lm_loss(logits, labels, 4, alpha=2.0, k=2)
+    torch.testing.assert_close(got, ce * entropy ** 2)
+    sharp = eaft_causal_lm_loss(torch.tensor([[[9.0, 0, 0, 0], [0.0] * 4]]), torch.tensor([[-100, 1]]), 4)
+    flat = eaft_causal_lm_loss(torch.tensor([[[0.1, 0, 0, 0], [0.0] * 4]]), torch.tensor([[-100, 1]]), 4)
+    assert sharp < flat  # the sharp one's label is wrong, yet its weight (low entropy) makes its loss small
+    # shift_labels (as context parallelism passes them) is taken as given; no label token gives 0, not nan
+    assert eaft_causal_lm_loss(logits, None, 4, shift_labels=torch.tensor([[2, -100]]), alpha=2.0, k=2) == got
+    assert eaft_causal_lm_loss(logits, torch.full((1, 2), -100), 4).item() == 0.0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_installed_as_the_models_loss_and_the_chunked_loss_stands_aside(tiny_llama):
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    plain = tiny_llama(input_ids=ids, labels=ids).loss
+    assert is_default_causal_lm_loss(tiny_llama)
+    use_eaft_loss(tiny_llama, alpha=1.0, k=20)
+    try:
+        assert not is_default_causal_lm_loss(tiny_llama)
+        out = tiny_llama(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.loss, eaft_causal_lm_loss(out.logits, ids, 64))
+        assert not torch.allclose(out.loss, plain)
+        chunked = ChunkedLoss(tiny_llama, 4)
+        assert not chunked.head.enabled and "forward" not in tiny_llama.__dict__  # the full logits, EAFT's loss
+        with pytest.raises(ValueError, match="k >= 1"):
+            use_eaft_loss(tiny_llama, k=0)
+    finally:
+        del tiny_llama._loss_function
+    chunked = ChunkedLoss(tiny_llama, 4)
+    assert chunked.head.enabled  # plain cross-entropy again: chunked
+    chunked.remove()
+
+
+def _stage(tmp_path, extra: str):
+    from nd_parallel.cli.train.config import load_train_config
+
+    path = tmp_path / "eaft.yml"
+    path.write_text("base_model: m\ndatasets:\n  - path: d.jsonl\n    type: completion\n" + extra)
+    return load_train_config(path)
+
+
+def test_yaml_keys(tmp_path):
+    cfg = _stage(tmp_path, "use_eaft: true\neaft_alpha: 0.5\neaft_k: 8\ncls_model_config: Gemma3TextConfig\n"
+                           "evaluation_strategy: 'no'\n")
+    assert (cfg.use_eaft, cfg.eaft_alpha, cfg.eaft_k, cfg.cls_model_config) == (True, 0.5, 8, "Gemma3TextConfig")
+    assert cfg.eval_strategy == "no"  # Axolotl's old name, read as eval_strategy
+    assert any("use_eaft" in note and "full logits" in note for note in cfg.notes)
+    assert _stage(tmp_path, "evaluation_strategy: steps\neval_strategy: epoch\n").eval_strategy == "epoch"
+
+
+def test_yaml_refusals_in_one_message(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _stage(tmp_path, "use_eaft: true\neaft_alpha: -1\neaft_k: 0\nloss_chunk_size: 512\nrl: dpo\n"
+                         "cls_model_config: NotAConfig\n")
+    message = str(err.value)
+    for needle in ("eaft_alpha=-1: write a number >= 0", "eaft_k=0: write an integer >= 1",
+                   "use_eaft with loss_chunk_size=512", "use_eaft with rl='dpo'",
+                   "cls_model_config='NotAConfig' is not a transformers config class"):
+        assert needle in message, (needle, message)
+    with pytest.raises(ConfigError, match="use_eaft='yes'; use true or false"):
+        _stage(tmp_path, "use_eaft: 'yes'\n")
