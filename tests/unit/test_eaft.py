@@ -1,7 +1,8 @@
 """Axolotl's `use_eaft` (nd_parallel/distributed/eaft.py, cli/train/objective.py): the loss equals Axolotl's own
 eaft_loss bit for bit (its venv), is installed as the model's loss function, makes the chunked loss stand aside, and
 the keys are checked in the config stage. Under FSDP2 / TP2 / PP2 / CP2: tests/distributed/test_train_yaml_parity.py
-(completion_eaft)."""
+(completion_eaft). Also `use_onebitllms`' layers (nd_parallel/models/bitnet.py) against transformers' BitNet
+quantizers; under FSDP2 / PP2 / CP2: tests/distributed/test_train_bitnet.py."""
 
 import json
 import subprocess
@@ -122,3 +123,51 @@ def test_yaml_refusals_in_one_message(tmp_path):
         assert needle in message, (needle, message)
     with pytest.raises(ConfigError, match="use_eaft='yes'; use true or false"):
         _stage(tmp_path, "use_eaft: 'yes'\n")
+
+
+def test_bitnet_layers_are_transformers_bitnet_arithmetic_with_onebitllms_rounding():
+    """models/bitnet.py against transformers' own BitNet quantizers (WeightQuant / ActQuant, straight-through):
+    the same forward and gradients on random values; on an exact tie the rounding is onebitllms' (half up), where
+    torch.round (transformers') rounds half to even."""
+    from transformers.integrations.bitnet import ActQuant, WeightQuant
+
+    from nd_parallel.models.bitnet import BitNetLinear, int8_activation, ternary_weight, to_bitnet
+
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(24, 8, bias=True)
+    x = torch.randn(3, 5, 24, generator=gen, requires_grad=True)
+    theirs = torch.nn.functional.linear(ActQuant.apply(x), WeightQuant.apply(layer.weight), layer.bias)
+    theirs.square().sum().backward()
+    want = [x.grad.clone(), layer.weight.grad.clone()]
+    x.grad, layer.weight.grad = None, None
+    layer.__class__ = BitNetLinear
+    ours = layer(x)
+    ours.square().sum().backward()
+    # the same levels; the scale's last bit and onebitllms' straight-through form v + (q - v).detach() (ours: q to
+    # within an ulp, where transformers' Functions return q itself) allow fp32 closeness, not bit equality
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close([x.grad, layer.weight.grad], want)
+    torch.testing.assert_close(int8_activation(x), ActQuant.apply(x), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ternary_weight(layer.weight), WeightQuant.apply(layer.weight), rtol=1e-6, atol=0)
+    tie = torch.tensor([0.25, -0.75, 0.5, 0.5])  # mean |w| 0.5: w·s = [0.5, -1.5, 1, 1]
+    assert ternary_weight(tie).tolist() == [0.5, -0.5, 0.5, 0.5]  # 0.5 rounds up (torch.round: 0)
+    assert WeightQuant.apply(tie).tolist() == [0.0, -0.5, 0.5, 0.5]
+    assert int8_activation(torch.tensor([[127.0, 0.5, -0.5]])).tolist() == [[127.0, 1.0, 0.0]]  # half up
+    model = torch.nn.ModuleDict({"q": torch.nn.Linear(4, 4), "lm_head": torch.nn.Linear(4, 9)})
+    assert to_bitnet(model) == ["q"] and type(model["lm_head"]) is torch.nn.Linear
+
+
+def test_onebitllms_refusals(tmp_path):
+    from nd_parallel.cli.train import extras
+    from nd_parallel.config import ParallelismConfig
+
+    cfg = _stage(tmp_path, "use_onebitllms: true\n")
+    assert cfg.use_onebitllms
+    extras.check_layout(cfg, ParallelismConfig(dp_shard_size=2), "c.yml")
+    with pytest.raises(ConfigError, match=r"c.yml: use_onebitllms with tp_size=2: a TP shard would take the weight "
+                                          r"scale over its slice"):
+        extras.check_layout(cfg, ParallelismConfig(tp_size=2), "c.yml")
+    with pytest.raises(ConfigError) as err:
+        _stage(tmp_path, "use_onebitllms: true\nadapter: qlora\nload_in_4bit: true\n")
+    assert "use_onebitllms with adapter='qlora'" in str(err.value)
+    assert "use_onebitllms with load_in_4bit / load_in_8bit / qat" in str(err.value)

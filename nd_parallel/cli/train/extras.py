@@ -386,6 +386,10 @@ def check_layout(t: AxolotlExtras, layout, path) -> None:
                           "token's features, so per-token activation scales and MX/NVFP4 blocks would be computed on "
                           "partial rows; use dp_shard_size (FSDP2 fake-quantizes the whole all-gathered weight), "
                           "context_parallel_size or pipeline_parallel_size")
+    if t.use_onebitllms and split.get("tp_size"):  # models/bitnet.py: per-tensor weight and per-token scales
+        raise ConfigError(f"{path}: use_onebitllms with tp_size={split['tp_size']}: a TP shard would take the weight "
+                          "scale over its slice and each token's activation scale over part of its features; use "
+                          "dp_shard_size, context_parallel_size or pipeline_parallel_size")
     if t.lora_target_parameters and split:
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(f"{path}: lora_target_parameters with {sizes}: LoRA on parameter tensors is checked under "

@@ -1,6 +1,6 @@
-"""Axolotl keys about the loss the model trains on and the class its config is read with: ``use_eaft`` (with
-``eaft_alpha``, ``eaft_k``), ``cls_model_config``, and ``evaluation_strategy`` (Axolotl's old name of
-``eval_strategy``).
+"""Axolotl keys about what the model computes in training and the class its config is read with: ``use_eaft``
+(with ``eaft_alpha``, ``eaft_k``), ``use_onebitllms`` (1.58-bit linear layers, nd_parallel/models/bitnet.py),
+``cls_model_config``, and ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``).
 
 EAFT weights each label token's cross-entropy by the entropy of the model's top-k prediction
 (nd_parallel/distributed/eaft.py); the ranks install it as the model's loss function before the layout is applied,
@@ -24,6 +24,8 @@ class ObjectiveOptions:
     """EAFT's number of top logits the entropy is taken over (Axolotl's default 20)."""
     cls_model_config: str | None = None
     """A transformers config class read instead of AutoConfig (e.g. Gemma3TextConfig), Axolotl's meaning."""
+    use_onebitllms: bool = False
+    """BitNet b1.58 training: every Linear but lm_head with ternary weights and 8-bit activations (straight-through)."""
     evaluation_strategy: str | None = None
     """Axolotl's deprecated name of eval_strategy: read as eval_strategy when that is not set (Axolotl's rule)."""
 
@@ -43,6 +45,7 @@ def objective_refusals(d: dict) -> list[str]:
         out.append(f"eaft_k={k!r}: write an integer >= 1 (top logits the entropy is taken over; Axolotl's default 20)")
     if d.get("use_eaft") is True:
         out += _eaft_combinations(d)
+    out += _onebitllms(d)
     name = d.get("cls_model_config")
     if name is not None and _config_class(name) is None:
         out.append(f"cls_model_config={name!r} is not a transformers config class; write one such as "
@@ -73,6 +76,22 @@ def _eaft_combinations(d: dict) -> list[str]:
     return out
 
 
+def _onebitllms(d: dict) -> list[str]:
+    value = d.get("use_onebitllms")
+    if value is None or value is False:
+        return []
+    if value is not True:
+        return [f"use_onebitllms={value!r}; use true or false"]
+    out = []
+    if d.get("adapter"):  # Axolotl's rule (check_onebitllms_lora)
+        out.append(f"use_onebitllms with adapter={d['adapter']!r}: 1.58-bit training trains the full weights (Axolotl "
+                   "refuses LoRA/QLoRA with it too); drop adapter")
+    if d.get("load_in_4bit") or d.get("load_in_8bit") or d.get("qat"):
+        out.append("use_onebitllms with load_in_4bit / load_in_8bit / qat: the linear layers are ternary-quantized "
+                   "already; drop the other quantization")
+    return out
+
+
 def _config_class(name: Any):
     import transformers
 
@@ -94,7 +113,16 @@ def config_kwargs(t: ObjectiveOptions, source: str, extra: dict) -> dict:
 
 
 def install_loss(t: ObjectiveOptions, model) -> None:
-    """EAFT as the model's loss function (before the adapter and the layout: both keep the base model's)."""
+    """BitNet layers and EAFT as the model's loss function (before the adapter and the layout)."""
+    if t.use_onebitllms:
+        import os
+
+        from nd_parallel.models.bitnet import to_bitnet
+
+        layers = to_bitnet(model)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[nd_parallel] use_onebitllms: {len(layers)} linear layers train as 1.58-bit (ternary weights, "
+                  "8-bit activations; lm_head unchanged)", flush=True)
     if t.use_eaft:
         from nd_parallel.distributed.eaft import use_eaft_loss
 

@@ -1,0 +1,66 @@
+"""`use_onebitllms` (1.58-bit linear layers, nd_parallel/models/bitnet.py) through `nd-parallel train`: FSDP2, PP2
+and CP2 vs one process on the global batch, and a run that must differ from the same YAML without the key.
+
+Tolerance, derived as for QAT's int8-activation rows (tests/distributed/test_qat.py): ternary weights take one scale
+per whole tensor (FSDP2 all-gathers it, PP holds whole layers), and the activation scale is per token, so the
+layouts round the same tensors as one process; what differs is the fp32 reduction order (~1e-7 relative), and 8-bit
+activation rounding turns that noise into a level flip wherever an activation lies within it of a boundary. The
+first step (weights equal going in) is held to rtol 1e-5; the run to loss rtol 2e-5 and parameters atol 2e-4,
+QAT's measured-drift bounds (measured here: see the printed diffs). Quantization itself moves the first loss by
+far more (asserted: > 1e-3 relative), so a layout that dropped the BitNet layers could not pass.
+"""
+
+import pytest
+import torch
+
+from tests.distributed.train_yaml_helpers import (
+    jobs_for,
+    logged,
+    run_jobs,
+    saved_tensors,
+    write_model_and_data,
+    write_yaml,
+)
+
+BASE = dict(sequence_len=96, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
+            lr_scheduler="linear", seed=0, optimizer="adamw_torch", bf16="auto", use_onebitllms=True)
+LAYOUTS = {"fsdp2": ({"dp_shard_size": 2}, 2), "pp2": ({"pipeline_parallel_size": 2}, 1),
+           "cp2": ({"context_parallel_size": 2}, 1)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bitnet")
+    data = write_model_and_data(root, n=48)
+    shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
+              "dataset_prepared_path": str(root / "prepared")}
+    parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
+                for name, (sizes, _) in LAYOUTS.items()]
+    refs = [write_yaml(root / f"ref{dp}.yaml", {**shared, "micro_batch_size": 2 * dp,
+                                                "output_dir": str(root / f"ref{dp}")}) for dp in (1, 2)]
+    refs.append(write_yaml(root / "plain.yaml", {**shared, "use_onebitllms": False,
+                                                 "output_dir": str(root / "plain")}))
+    run_jobs(jobs_for(refs, root, 1), root, 1)
+    run_jobs(jobs_for(parallel, root, 2), root, 2)
+    return root
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_one_process(runs, layout):
+    dp = LAYOUTS[layout][1]
+    got, ref = runs / layout, runs / f"ref{dp}"
+    losses, ref_losses = [r["loss"] for r in logged(got)], [r["loss"] for r in logged(ref)]
+    assert len(losses) == len(ref_losses) == 3
+    torch.testing.assert_close(torch.tensor(losses[:1]), torch.tensor(ref_losses[:1]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-5, atol=0)
+    tensors, ref_tensors = saved_tensors(got), saved_tensors(ref)
+    assert set(tensors) == set(ref_tensors) and tensors
+    worst = max((tensors[k] - v).abs().max().item() for k, v in ref_tensors.items())
+    print(f"bitnet {layout}: losses {losses} max loss rel diff "
+          f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e} saved-tensor diff {worst:.2e}")
+    assert worst <= 2e-4
+
+
+def test_bitnet_changes_the_loss(runs):
+    plain, bitnet = logged(runs / "plain")[0]["loss"], logged(runs / "ref1")[0]["loss"]
+    assert abs(plain - bitnet) > 1e-3 * abs(plain), (plain, bitnet)
