@@ -339,9 +339,9 @@ def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
             load_train_config(_write(tmp_path, extra), environ={})
         assert needle in str(err.value), (needle, str(err.value))
     path = tmp_path / "t.yml"
-    path.write_text("base_model: ./m\nrl: dpo\ndatasets:\n  - path: ./d.jsonl\n    type: chatml.ultra\n")
-    with pytest.raises(ConfigError, match=r"datasets\[0\].type='chatml.ultra' with rl: dpo: .*chat_template.default"):
-        load_train_config(path, environ={})
+    path.write_text("base_model: ./m\nrl: dpo\ndatasets:\n  - path: ./d.jsonl\n    type: chatml.argilla\n")
+    with pytest.raises(ConfigError, match=r"datasets\[0\].type='chatml.argilla' with rl: dpo: .*chat_template.default"):
+        load_train_config(path, environ={})  # a KTO type (data/dpo_types.py has chatml.ultra & co. for DPO)
 
 
 def test_preference_records_render_as_axolotl_renders_them(tmp_path):

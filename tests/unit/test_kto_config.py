@@ -79,7 +79,8 @@ def test_bad_kto_records_are_named(record, match):
     ("rl: kto\nmicro_batch_size: 1\n", "llama3.ultra", "micro_batch_size=1 with rl: kto: KTO estimates its KL term"),
     ("rl: kto\nkto_desirable_weight: 0\n", "llama3.ultra", "kto_desirable_weight=0; write a number > 0"),
     ("rl: kto\n", "chat_template", "datasets[0].type='chat_template' with rl: kto"),
-    ("", "llama3.ultra", "datasets[0].type='llama3.ultra' is a KTO format: set rl: kto"),
+    ("", "llama3.ultra", "datasets[0].type='llama3.ultra' is a DPO or KTO format: set rl: dpo or rl: kto"),
+    ("", "chatml.argilla", "datasets[0].type='chatml.argilla' is a KTO format: set rl: kto"),
     ("rl: kto\npipeline_parallel_size: 2\n", "llama3.ultra", "rl: kto with pipeline_parallel_size: 2: KTO sums"),
 ])
 def test_what_kto_cannot_run_is_refused_in_the_config_stage(tmp_path, extra, kind, needle):

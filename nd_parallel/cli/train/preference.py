@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .data.dpo_types import TYPES as TEMPLATE_DPO_TYPES
 from .data.kto import TYPES as KTO_TYPES
 
 # rl -> DPOConfig(loss_type=...); kto -> KTOTrainer
 LOSSES = {"dpo": ["sigmoid"], "ipo": ["ipo"]}
 RL = (*LOSSES, "kto")
 _AXOLOTL_ONLY = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
-_DPO_TYPES = ("chat_template", "chat_template.default")
+_DPO_TYPES = ("chat_template", "chat_template.default", *TEMPLATE_DPO_TYPES)
 
 
 @dataclass(kw_only=True)
@@ -42,11 +43,17 @@ def _positive(d: dict, key: str, default: str) -> list[str]:
     return []
 
 
+def _kind(kind: str) -> str:
+    both = kind in KTO_TYPES and kind in TEMPLATE_DPO_TYPES  # e.g. chatml.intel: Axolotl has it for both trainers
+    return "DPO or KTO" if both else "KTO" if kind in KTO_TYPES else "DPO"
+
+
 def _type_refusals(d: dict, rl: str) -> list[str]:
     out, entries = [], d.get("datasets") or []
-    if rl is None:  # a KTO type in a supervised run
-        return [f"datasets[{i}].type={e['type']!r} is a KTO format: set rl: kto, or use a supervised type"
-                for i, e in enumerate(entries) if isinstance(e, dict) and e.get("type") in KTO_TYPES]
+    if rl is None:  # a preference type in a supervised run
+        return [f"datasets[{i}].type={e['type']!r} is a {_kind(e['type'])} format: set rl: "
+                f"{_kind(e['type']).lower().replace(' or ', ' or rl: ')}, or use a supervised type"
+                for i, e in enumerate(entries) if isinstance(e, dict) and e.get("type") in KTO_TYPES + _DPO_TYPES[2:]]
     for i, entry in enumerate(entries):
         kind = entry.get("type") if isinstance(entry, dict) else None
         if rl == "kto" and kind not in KTO_TYPES:
@@ -54,8 +61,8 @@ def _type_refusals(d: dict, rl: str) -> list[str]:
                        f"({', '.join(KTO_TYPES)}); convert them, or " + _AXOLOTL_ONLY)
         elif rl != "kto" and kind not in _DPO_TYPES:
             out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: preference records are read as Axolotl's "
-                       "chat_template.default (field_messages, field_chosen, field_rejected); convert them, or "
-                       + _AXOLOTL_ONLY)
+                       "chat_template.default (field_messages, field_chosen, field_rejected) or its template types "
+                       f"({', '.join(TEMPLATE_DPO_TYPES)}); convert them, or " + _AXOLOTL_ONLY)
     return out
 
 

@@ -25,6 +25,8 @@ from nd_parallel.config import ConfigError
 from . import mistral
 from .collate import Collator, collate
 from .formats import chunk_fn, tokenize_fn
+from .dpo_types import TYPES as DPO_TYPES
+from .dpo_types import dpo_fn
 from .kto import kto_fn
 from .packing import pack_fn
 from .preference import preference_fn
@@ -93,7 +95,7 @@ def _pairs(spec: DatasetSpec, tokenizer, cfg, cache: str):
     completion / label (kto: kto.py); TRL's trainer tokenizes them."""
     raw, where = load_source(spec, cache)
     fn, what = (kto_fn(spec, where), "KTO examples") if cfg.rl == "kto" else (
-        preference_fn(spec, tokenizer, where), "preference pairs")
+        dpo_fn(spec, where) if spec.type in DPO_TYPES else preference_fn(spec, tokenizer, where), "preference pairs")
     ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
                  desc=f"rendering {what} of {spec.path}")
     return ds, f"{where}: {len(raw)} records -> {len(ds)} {what}"
