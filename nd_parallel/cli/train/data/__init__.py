@@ -24,9 +24,9 @@ from nd_parallel.config import ConfigError
 
 from . import mistral
 from .collate import Collator, collate
-from .formats import chunk_fn, tokenize_fn
 from .dpo_types import TYPES as DPO_TYPES
 from .dpo_types import dpo_fn
+from .formats import chunk_fn, tokenize_fn
 from .kto import kto_fn
 from .packing import pack_fn
 from .preference import preference_fn
