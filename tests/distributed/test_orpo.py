@@ -15,30 +15,11 @@ odds-ratio gradient is a difference of the chosen and rejected log-prob gradient
 import pytest
 import torch
 
-from tests.distributed import preference_rows
-from tests.distributed.preference_rows import launch_rows, rel
+from tests.distributed.preference_rows import BASE_ARGS, lora_and_full, rel, row_fixtures
 
-ARGS = dict(gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
-            adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0,
-            max_length=48, bf16=False, beta=0.1)
-PER_RANK = 2  # pairs per rank per micro-batch
-ROWS = {"fsdp2_lora": ({"dp_shard_size": 2}, {"lora": True}),
-        "fsdp2_full": ({"dp_shard_size": 2}, {}),
-        "tp2_lora": ({"tp_size": 2}, {"lora": True}),
-        "tp2_full": ({"tp_size": 2}, {}),
-        "cp2_lora": ({"cp_size": 2}, {"lora": True}),
-        "cp2_full": ({"cp_size": 2}, {})}
-
-
-@pytest.fixture(scope="module")
-def run(tiny_model, launch_worker):
-    return launch_rows(launch_worker, "orpo_2r", "orpo", tiny_model("llama"), ROWS, ARGS, PER_RANK)
-
-
-@pytest.fixture(scope="module")
-def references(tiny_model, memo, worker_env, tmp_path_factory):
-    return preference_rows.references("orpo", tiny_model("llama"), ROWS, ARGS, PER_RANK, memo, worker_env,
-                                      tmp_path_factory)
+ARGS = dict(BASE_ARGS, beta=0.1)
+ROWS = lora_and_full({"fsdp2": {"dp_shard_size": 2}, "tp2": {"tp_size": 2}, "cp2": {"cp_size": 2}})
+run, references = row_fixtures("orpo", ROWS, ARGS, per_rank=2)  # 2 pairs per rank per micro-batch
 
 
 @pytest.mark.parametrize("row", list(ROWS))
