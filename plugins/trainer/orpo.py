@@ -12,12 +12,14 @@ global batch. Here:
 
 - **Odds-ratio term.** A mean over pairs: ``compute_loss`` rescales the rank's loss to its share of the mean over
   the global batch's pairs (dpo.py's ``global_mean_loss``; nd_parallel sums the dp gradients).
-- **NLL term.** A mean over *tokens*, whose count differs between ranks: the rank's mean of means would weigh a
-  short chosen answer as much as a long one. ``concatenated_forward`` returns the rank's NLL times
-  ``(local tokens / global tokens) * (global pairs / local pairs)``; the pair rescaling above then leaves exactly
-  ``local NLL sum / global tokens``, whose sum over the dp ranks is the global token mean, for any split of the
-  batch. The same value is what the logged ``nll_loss`` metric and the evaluation loss average over the dp ranks
-  (``gather_for_metrics``): with equal pairs per rank, the global token mean as well.
+- **NLL term.** A mean over *tokens*, whose count differs between ranks: a mean of the ranks' own means would give
+  each rank's tokens the weight 1 / (its count), not 1 / (the global count). ``concatenated_forward`` returns the
+  rank's NLL times ``(local tokens / global tokens) * (global pairs / local pairs)``; the pair rescaling above then
+  leaves exactly ``local NLL sum / global tokens``, whose sum over the dp ranks is the global token mean, for any
+  split of the batch. The same value is what the logged ``nll_loss`` metric and the evaluation loss average over the dp ranks
+  (``gather_for_metrics``): with equal pairs per rank, the global token mean as well. As in one process, each
+  micro-batch is its own mean (the Trainer divides it by ``gradient_accumulation_steps``): the mean over the global
+  micro-batch's tokens, not over the accumulated batch's.
 - **Logits.** Under TP the head's plan gathers the vocabulary (a forward without labels gets the whole logits).
   Under CP each rank's forward holds its shard of the sequence; the CP hooks gather the logits back into the whole
   sequence *with* their gradient (``per_token_outputs``), every cp rank computes the same loss and backpropagates

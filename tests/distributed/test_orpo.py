@@ -7,9 +7,13 @@ term as its pair mean; under CP the whole logits gathered with their gradients).
 rejected strings of different lengths, so the dp ranks hold different numbers of chosen tokens: a mean of the
 ranks' NLL means would differ from the global token mean), seed, gradient accumulation (2), ORPO loss (beta 0.1) and
 linear schedule; the one-process ORPOTrainer's per-device batch is the layout's global batch. Compared: every logged
-loss, grad norm, NLL and mean log-odds ratio (rtol 1e-5), the chosen log-probs and reward margins, the evaluations
-from step 2 on (loss, NLL), every parameter at the end (atol 1e-5). lr 1e-3, for the reason test_dpo.py gives (the
-odds-ratio gradient is a difference of the chosen and rejected log-prob gradients).
+loss and NLL and the evaluations from step 2 on (rtol 1e-6), grad norm, mean log-odds ratio and chosen log-probs
+(rtol 1e-5), reward margins (1e-6 absolute), every parameter at the end (atol 1e-5).
+
+Tolerances, measured on this machine: losses and NLLs within 9e-8 relative (about one fp32 ulp), grad norms 2.2e-7,
+parameters 7.6e-7. Averaging the dp ranks' own NLL means instead of the global token mean (the defect this guards
+against) moves the FSDP2 rows' losses by 7.5e-5 relative: 75 times the 1e-6 bound. lr 1e-3, for the reason
+test_dpo.py gives (the odds-ratio gradient is a difference of the chosen and rejected log-prob gradients).
 """
 
 import pytest
@@ -26,13 +30,15 @@ run, references = row_fixtures("orpo", ROWS, ARGS, per_rank=2)  # 2 pairs per ra
 def test_orpo_trainer_matches_one_process(row, run, references):
     got, want = torch.load(run / f"{row}.pt", weights_only=True), references(row)
     assert len(got["loss"]) == len(want["loss"]) == ARGS["max_steps"]
-    for key in ("loss", "grad_norm", "nll_loss", "log_odds_ratio", "logps/chosen", "eval_loss", "eval_nll_loss"):
+    for key, rtol in [("loss", 1e-6), ("nll_loss", 1e-6), ("eval_loss", 1e-6), ("eval_nll_loss", 1e-6),
+                      ("grad_norm", 1e-5), ("log_odds_ratio", 1e-5), ("logps/chosen", 1e-5)]:
         assert len(got[key]) == len(want[key]) >= 1, key
         for a, b in zip(got[key], want[key]):
-            assert rel(a, b) <= 1e-5, (key, got[key], want[key])
+            assert rel(a, b) <= rtol, (key, got[key], want[key])
     for a, b in zip(got["rewards/margins"], want["rewards/margins"]):  # beta * a difference of ~1: absolutely
         assert abs(a - b) <= 1e-6, (got["rewards/margins"], want["rewards/margins"])
     assert set(got["state"]) == set(want["state"])
     diff = max((got["state"][k] - v).abs().max().item() for k, v in want["state"].items())
     assert diff <= 1e-5, diff
-    print(f"orpo {row}: losses {got['loss']} nll {got['nll_loss']} param diff {diff:.1e}")
+    worst = {k: max(rel(a, b) for a, b in zip(got[k], want[k])) for k in ("loss", "grad_norm", "nll_loss")}
+    print(f"orpo {row}: losses {got['loss']} max rel {worst} param diff {diff:.1e}")
