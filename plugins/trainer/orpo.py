@@ -18,8 +18,8 @@ global batch. Here:
   leaves exactly ``local NLL sum / global tokens``, whose sum over the dp ranks is the global token mean, for any
   split of the batch. The same value is what the logged ``nll_loss`` metric and the evaluation loss average over
   the dp ranks (``gather_for_metrics``): with equal pairs per rank, the global token mean as well. As in one
-  process, each micro-batch is its own mean (the Trainer divides it by ``gradient_accumulation_steps``): the mean over the global
-  micro-batch's tokens, not over the accumulated batch's.
+  process, each micro-batch is its own mean (the Trainer divides it by ``gradient_accumulation_steps``): the mean
+  over the global micro-batch's tokens, not over the accumulated batch's.
 - **Logits.** Under TP the head's plan gathers the vocabulary (a forward without labels gets the whole logits).
   Under CP each rank's forward holds its shard of the sequence; the CP hooks gather the logits back into the whole
   sequence *with* their gradient (``per_token_outputs``), every cp rank computes the same loss and backpropagates
