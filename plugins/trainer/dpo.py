@@ -66,15 +66,18 @@ def check_dpo_args(trainer, config) -> None:
          "one packed row per rank is not verified under a layout; use padding_free=False")])
 
 
-def refuse_trl_options(trainer, config, name: str, own: list) -> None:
+PP_REASON = ("it sums each sequence's per-token log-probs from the model's fused head, which a pipeline's stages do "
+             "not return")
+
+
+def refuse_trl_options(trainer, config, name: str, own: list, pp_reason: str = PP_REASON) -> None:
     """Refuse, before any collective, the first of ``own`` + the options every TRL preference trainer shares here:
-    pipeline parallelism, log-probs precomputed in __init__, a reference synced from the policy, the MoE router's
-    auxiliary loss under dp or cp. Each item: (bad, what, fix)."""
+    pipeline parallelism (``pp_reason``: why), log-probs precomputed in __init__, a reference synced from the policy,
+    the MoE router's auxiliary loss under dp or cp. Each item: (bad, what, fix)."""
     args = trainer.args
     if config.pp_size > 1:
         raise NotImplementedError(
-            f"TRL {name} under pp_size={config.pp_size}: it sums each sequence's per-token log-probs from the "
-            f"model's fused head, which a pipeline's stages do not return; use dp_shard_size / dp_replicate_size / "
+            f"TRL {name} under pp_size={config.pp_size}: {pp_reason}; use dp_shard_size / dp_replicate_size / "
             f"tp_size / cp_size / ep_size for {name.removesuffix('Trainer')}")
     aux = aux_loss_enabled(trainer)
     refusals = own + [

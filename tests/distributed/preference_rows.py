@@ -6,10 +6,35 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 WORKER = "tests/distributed/preference_worker.py"
 WORLD = 2
+# The TRL arguments every trainer's rows share (each test adds its loss's own, e.g. beta)
+BASE_ARGS = dict(gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, logging_steps=1, save_strategy="no",
+                 adam_epsilon=1e-6, weight_decay=0.01, seed=0, lr_scheduler_type="linear", max_grad_norm=1.0,
+                 max_length=48, bf16=False)
+
+
+def lora_and_full(layouts: dict) -> dict:
+    """{name: layout} -> rows "<name>_lora" (a LoRA adapter) and "<name>_full" (full fine-tuning) of each layout."""
+    return {f"{name}_{kind}": (layout, {"lora": True} if kind == "lora" else {})
+            for name, layout in layouts.items() for kind in ("lora", "full")}
+
+
+def row_fixtures(kind: str, rows: dict, base: dict, per_rank: int, reference_extras: dict | None = None):
+    """The module fixtures ``run`` (the rows' one launch) and ``references`` (row -> its one-process results)."""
+    @pytest.fixture(scope="module")
+    def run(tiny_model, launch_worker):
+        return launch_rows(launch_worker, f"{kind}_2r", kind, tiny_model("llama"), rows, base, per_rank)
+
+    @pytest.fixture(scope="module", name="references")
+    def refs(tiny_model, memo, worker_env, tmp_path_factory):
+        return references(kind, tiny_model("llama"), rows, base, per_rank, memo, worker_env, tmp_path_factory,
+                          reference_extras)
+
+    return run, refs
 
 
 def dp_of(config: dict) -> int:

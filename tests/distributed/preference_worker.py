@@ -1,14 +1,15 @@
-"""Rank program (or one process) for the TRL preference-trainer rows (DPOTrainer, KTOTrainer): an unchanged TRL
-script plus NDParallelCallback.
+"""Rank program (or one process) for the TRL preference-trainer rows (DPOTrainer, KTOTrainer, ORPOTrainer): an
+unchanged TRL script plus NDParallelCallback.
 
 Usage: preference_worker.py OUT_DIR SPEC_JSON   (under torchrun; or plain python for the one-process references)
-SPEC_JSON: {"trainer": "dpo" | "kto", "model": dir, "runs": [[name, {config kwargs} | null, {TRL config}, {extras}]]}
+SPEC_JSON: {"trainer": "dpo" | "kto" | "orpo", "model": dir,
+            "runs": [[name, {config kwargs} | null, {TRL config}, {extras}]]}
 A null config is the reference: the TRL trainer alone. extras: "lora": true passes peft_config (the reference policy
-is then the base with the adapter disabled); without it the trainer builds its own frozen reference copy.
+is then the base with the adapter disabled; ORPO has none); without it DPO / KTO build their own frozen reference.
 "prepare_batch": n (KTO references): the trainer prepares its data with per_device_train_batch_size n (KTOTrainer
 pairs each prompt with a mismatched completion within blocks of that many rows) and then trains with the config's.
-Data: prompt / chosen / rejected (DPO) or prompt / completion / label (KTO) strings of different lengths from the
-locally generated text; the tokenizer is a tiny BPE trained locally (nd_parallel.testing.tokenizer). Evaluates on 8
+Data: prompt / chosen / rejected (DPO, ORPO) or prompt / completion / label (KTO) strings of different lengths from
+the locally generated text; the tokenizer is a tiny BPE trained locally (nd_parallel.testing.tokenizer). Evaluates on 8
 other examples every 2 steps. Writes, from the main process, every logged loss, grad norm and reward metric, the same
 evaluation metrics, and the final full state.
 """
@@ -26,7 +27,9 @@ from nd_parallel.testing.tokenizer import train_tiny_tokenizer
 
 METRICS = {"dpo": ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                    "logps/rejected"),
-           "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")}
+           "kto": ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+           "orpo": ("loss", "grad_norm", "nll_loss", "log_odds_ratio", "rewards/margins", "logps/chosen",
+                    "logps/rejected")}
 
 
 def dataset(kind: str, n: int, seed: int) -> Dataset:
@@ -36,8 +39,9 @@ def dataset(kind: str, n: int, seed: int) -> Dataset:
                                   "completion": [lines[3 * i + 1][: rng.randint(6, 30)] for i in range(n)],
                                   "label": [rng.random() < 0.5 for _ in range(n)]})
     rows = {"prompt": [], "chosen": [], "rejected": []}
+    end = "\n" if kind == "orpo" else ""  # ORPOTrainer tokenizes prompt + answer whole: no BPE merge across them
     for i in range(n):
-        rows["prompt"].append(lines[3 * i][: rng.randint(8, 30)])
+        rows["prompt"].append(lines[3 * i][: rng.randint(8, 30)] + end)
         rows["chosen"].append(lines[3 * i + 1][: rng.randint(6, 30)])
         rows["rejected"].append(lines[3 * i + 2][: rng.randint(6, 30)])
     return Dataset.from_dict(rows)
@@ -45,8 +49,10 @@ def dataset(kind: str, n: int, seed: int) -> Dataset:
 
 def _trainer(kind, spec, out_dir, name, config, trl_args, extras, tok):
     import trl
+    from trl.experimental import orpo
 
-    Config, Trainer = (trl.DPOConfig, trl.DPOTrainer) if kind == "dpo" else (trl.KTOConfig, trl.KTOTrainer)
+    Config, Trainer = {"dpo": (trl.DPOConfig, trl.DPOTrainer), "kto": (trl.KTOConfig, trl.KTOTrainer),
+                       "orpo": (orpo.ORPOConfig, orpo.ORPOTrainer)}[kind]
     callbacks = []
     if config is not None:
         from nd_parallel import ParallelismConfig

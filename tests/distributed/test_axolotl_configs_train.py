@@ -24,13 +24,14 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 23 of the 49 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 24 of the 50 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
            "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat", "llama3_dpo_lora_fsdp2",
-           "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2"]
+           "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2",
+           "chatml_orpo_lora_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -97,6 +98,10 @@ def _write_workspace(root: Path) -> None:
         key: [{"role": "user", "content": lines[i]}, {"role": "assistant", "content": lines[i + j]}]
         for key, j in (("chosen", 1), ("rejected", 2))}} for i in range(0, 90, 3)]
     (data / "dpo_ultra.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ultra))
+    argilla = [{"chosen": [{"role": "user", "content": lines[i]}, {"role": "assistant", "content": lines[i + 1]}],
+                "rejected": [{"role": "user", "content": lines[i]}, {"role": "assistant", "content": lines[i + 2]}],
+                **({"system": "be brief"} if i % 2 else {})} for i in range(0, 90, 3)]
+    (data / "argilla.jsonl").write_text("".join(json.dumps(r) + "\n" for r in argilla))
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
 
@@ -164,6 +169,15 @@ def test_dpo_run_starts_at_the_reference(runs):
     losses = [row["loss"] for row in logged(out)]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[1] != losses[0], losses
     assert (out / "eval_log.jsonl").is_file()
+
+
+def test_orpo_run_is_evaluated(runs):
+    """rl: orpo: the held-out pairs are evaluated (ORPOTrainer's own prediction step) and the adapter moved."""
+    root, jobs = runs
+    out = Path(jobs["chatml_orpo_lora_fsdp2"].train.output_dir)
+    evals = logged(out, "eval_log.jsonl")
+    assert evals and all(math.isfinite(row["eval_loss"]) for row in evals), evals
+    assert any(v.abs().max() > 0 for k, v in saved_tensors(out).items() if "lora_B" in k)
 
 
 def test_kto_run_starts_at_the_reference(runs):

@@ -201,6 +201,22 @@ def test_kto_trainer_options_that_cannot_be_exact_are_refused(layout, change, me
     check_kto_args(_dpo("KTOTrainer"), ParallelismConfig(dp_shard_size=2).resolve(2))
 
 
+def test_orpo_trainer_under_a_pipeline_or_with_the_router_loss_under_dp_is_refused():
+    from nd_parallel.plugins.trainer.orpo import check_orpo_args, is_orpo_trainer
+
+    assert is_orpo_trainer(_dpo("ORPOTrainer")) and not is_orpo_trainer(_dpo())
+    with pytest.raises(NotImplementedError, match="ORPOTrainer under pp_size=2: it builds its loss from the whole "
+                                                  "logits after the forward.*for ORPO$"):
+        check_orpo_args(_dpo("ORPOTrainer"), ParallelismConfig(pp_size=2).resolve(2))
+    moe = _dpo("ORPOTrainer")
+    moe.aux_loss_enabled = True
+    with pytest.raises(NotImplementedError, match="MoE router auxiliary loss.*ORPOConfig"):
+        check_orpo_args(moe, ParallelismConfig(cp_size=2).resolve(2))
+    for layout in (dict(dp_shard_size=2), dict(tp_size=2), dict(cp_size=2)):
+        check_orpo_args(_dpo("ORPOTrainer"), ParallelismConfig(**layout).resolve(2))
+    check_orpo_args(moe, ParallelismConfig(tp_size=2).resolve(2))  # tp: the same tokens on every rank
+
+
 def test_lora_target_linear_is_axolotls_list_and_expert_lora_trains_without_dropout():
     """Axolotl's examples/mistral/mistral-qlora-fsdp.yml (Mixtral, lora_target_linear, lora_dropout 0.05): peft's
     'all-linear' on a transformers 5 Mixtral adds the fused expert tensors, whose ParamWrapper refused the dropout.

@@ -165,13 +165,13 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
     """Keys Axolotl's examples use that came after 0.19 and RL trainers other than DPO: one message, each with its
     reason (not the generic unknown-key list)."""
     keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
-                llmcompressor={"recipe": {}}, rl="orpo")
+                llmcompressor={"recipe": {}}, rl="grpo")
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
     assert "5 setting(s) cannot be used" in message and "valid keys are" not in message, message
     for needle in ("pre-quantized NVFP4 checkpoints are not loaded", "FP4 grouped expert kernels", "GLM DSA attention",
-                   "llm-compressor recipes", "rl='orpo': nd-parallel train runs rl: dpo, ipo"):
+                   "llm-compressor recipes", "rl='grpo': nd-parallel train runs rl: dpo, ipo"):
         assert needle in message, (needle, message)
 
 

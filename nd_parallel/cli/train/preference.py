@@ -1,13 +1,15 @@
-"""`rl: dpo` / `rl: ipo` / `rl: kto` in `nd-parallel train`: TRL's DPOTrainer / KTOTrainer (what Axolotl runs for
-them) with NDParallelCallback (plugins/trainer/dpo.py and kto.py make their loss the mean over the global batch), on
-the strings data/preference.py (prompt / chosen / rejected, from Axolotl's ``chat_template.default`` records) or
+"""`rl: dpo` / `rl: ipo` / `rl: kto` / `rl: orpo` in `nd-parallel train`: TRL's DPOTrainer / KTOTrainer /
+ORPOTrainer (what Axolotl runs for them) with NDParallelCallback (plugins/trainer/dpo.py, kto.py and orpo.py make
+their loss that of the global batch), on the strings data/preference.py (prompt / chosen / rejected, from Axolotl's
+``chat_template.default`` records), data/orpo.py (the same, from its ``chat_template.argilla`` records) or
 data/kto.py (prompt / completion / label, Axolotl's KTO types) renders.
 
 Axolotl's meaning: ``rl_beta`` is the trainer's beta (TRL's default 0.1 when unset), ``sequence_len`` its
 ``max_length`` (prompt + answer, truncated as TRL does), ``rl: ipo`` DPOTrainer with the IPO loss,
-``kto_desirable_weight`` / ``kto_undesirable_weight`` KTO's weights of the two labels (default 1.0). The reference
+``kto_desirable_weight`` / ``kto_undesirable_weight`` KTO's weights of the two labels (default 1.0), ``orpo_alpha``
+ORPO's beta where ``rl_beta`` is unset (the weight of its odds-ratio term; ORPO has no reference model). The reference
 policy is the base with the adapter disabled under LoRA, or the trainer's own frozen copy under full fine-tuning,
-prepared under the same layout. Axolotl's other RL trainers (orpo, simpo, grpo, gdpo, ebft) are refused here.
+prepared under the same layout. Axolotl's other RL trainers (simpo, grpo, gdpo, ebft) are refused here.
 """
 
 from __future__ import annotations
@@ -16,24 +18,29 @@ from dataclasses import dataclass
 
 from .data.dpo_types import TYPES as TEMPLATE_DPO_TYPES
 from .data.kto import TYPES as KTO_TYPES
+from .data.orpo import TYPES as ORPO_TYPES
 
 # rl -> DPOConfig(loss_type=...); kto -> KTOTrainer
 LOSSES = {"dpo": ["sigmoid"], "ipo": ["ipo"]}
-RL = (*LOSSES, "kto")
+RL = (*LOSSES, "kto", "orpo")
 _AXOLOTL_ONLY = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 _DPO_TYPES = ("chat_template", "chat_template.default", *TEMPLATE_DPO_TYPES)
+SUPERVISED_NOT = (*KTO_TYPES, *TEMPLATE_DPO_TYPES, *ORPO_TYPES)  # preference formats: refused without rl
 
 
 @dataclass(kw_only=True)
 class PreferenceOptions:
     rl: str | None = None
-    """dpo, ipo or kto: train on preferences with TRL's DPOTrainer / KTOTrainer (preference.py); None = supervised."""
+    """dpo, ipo, kto or orpo: train on preferences with TRL's DPOTrainer / KTOTrainer / ORPOTrainer (preference.py);
+    None = supervised."""
     rl_beta: float | None = None
     """The trainer's beta, how far the policy may move from the reference (TRL's default 0.1)."""
     kto_desirable_weight: float | None = None
     """rl: kto: weight of the desirable examples' losses (default 1.0)."""
     kto_undesirable_weight: float | None = None
     """rl: kto: weight of the undesirable examples' losses (default 1.0)."""
+    orpo_alpha: float | None = None
+    """rl: orpo: the weight of the odds-ratio term (TRL's beta; rl_beta wins where both are set; default 0.1)."""
 
 
 def _positive(d: dict, key: str, default: str) -> list[str]:
@@ -44,26 +51,40 @@ def _positive(d: dict, key: str, default: str) -> list[str]:
 
 
 def _kind(kind: str) -> str:
+    """The trainer(s) a preference type is read by, with its article: "a KTO", "an ORPO", ..."""
+    if kind in ORPO_TYPES:
+        return "an ORPO"
     both = kind in KTO_TYPES and kind in TEMPLATE_DPO_TYPES  # e.g. chatml.intel: Axolotl has it for both trainers
-    return "DPO or KTO" if both else "KTO" if kind in KTO_TYPES else "DPO"
+    return "a DPO or KTO" if both else "a KTO" if kind in KTO_TYPES else "a DPO"
 
 
 def _type_refusals(d: dict, rl: str) -> list[str]:
     out, entries = [], d.get("datasets") or []
     if rl is None:  # a preference type in a supervised run
-        return [f"datasets[{i}].type={e['type']!r} is a {_kind(e['type'])} format: set rl: "
-                f"{_kind(e['type']).lower().replace(' or ', ' or rl: ')}, or use a supervised type"
-                for i, e in enumerate(entries) if isinstance(e, dict) and e.get("type") in KTO_TYPES + _DPO_TYPES[2:]]
+        return [f"datasets[{i}].type={e['type']!r} is {_kind(e['type'])} format: set rl: "
+                f"{_kind(e['type']).split(' ', 1)[1].lower().replace(' or ', ' or rl: ')}, or use a supervised type"
+                for i, e in enumerate(entries) if isinstance(e, dict) and e.get("type") in SUPERVISED_NOT]
     for i, entry in enumerate(entries):
         kind = entry.get("type") if isinstance(entry, dict) else None
         if rl == "kto" and kind not in KTO_TYPES:
             out.append(f"datasets[{i}].type={kind!r} with rl: kto: KTO examples are read as Axolotl's KTO types "
                        f"({', '.join(KTO_TYPES)}); convert them, or " + _AXOLOTL_ONLY)
-        elif rl != "kto" and kind not in _DPO_TYPES:
+        elif rl == "orpo" and kind not in ORPO_TYPES:
+            out.append(f"datasets[{i}].type={kind!r} with rl: orpo: ORPO pairs are read as Axolotl's "
+                       "chat_template.argilla (chosen / rejected conversations); convert them, or " + _AXOLOTL_ONLY)
+        elif rl not in ("kto", "orpo") and kind not in _DPO_TYPES:
             out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: preference records are read as Axolotl's "
                        "chat_template.default (field_messages, field_chosen, field_rejected) or its template types "
                        f"({', '.join(TEMPLATE_DPO_TYPES)}); convert them, or " + _AXOLOTL_ONLY)
     return out
+
+
+def _orpo_refusals(d: dict, rl: str) -> list[str]:
+    if rl == "orpo":
+        return _positive(d, "orpo_alpha", "TRL's default 0.1")
+    if d.get("orpo_alpha") is not None:
+        return [f"orpo_alpha with rl: {rl}: it weighs ORPO's odds-ratio term; drop it or set rl: orpo"]
+    return []
 
 
 def rl_refusals(d: dict, layout) -> list[str]:
@@ -72,9 +93,9 @@ def rl_refusals(d: dict, layout) -> list[str]:
     if rl is None:
         return _type_refusals(d, None)
     if rl not in RL:
-        return [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer) and kto (TRL's KTOTrainer); "
-                f"for Axolotl's other RL trainers {_AXOLOTL_ONLY}"]
-    out = _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl)
+        return [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer) and "
+                f"orpo (TRL's ORPOTrainer); for Axolotl's other RL trainers {_AXOLOTL_ONLY}"]
+    out = _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
                                                                                "default 1.0")
@@ -89,20 +110,28 @@ def rl_refusals(d: dict, layout) -> list[str]:
     if d.get("sample_packing"):
         out.append(f"sample_packing=True with rl: {rl}: preference examples are not packed; drop sample_packing")
     if layout is not None and layout.pp_size > 1:
-        out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: {rl.upper()} sums each sequence's "
-                   "per-token log-probs, which a pipeline's stages do not return; use dp_shard_size, "
-                   "tensor_parallel_size, context_parallel_size or expert_parallel_size")
+        why = ("builds its loss from the whole logits after the forward" if rl == "orpo" else
+               "sums each sequence's per-token log-probs")
+        out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: {rl.upper()} {why}, which a pipeline's "
+                   "stages do not return; use dp_shard_size, tensor_parallel_size, context_parallel_size or "
+                   "expert_parallel_size")
     return out
 
 
 def preference_trainer(t, trainer_args: dict, **kwargs):
-    """TRL's DPOTrainer / KTOTrainer for ``t`` (a TrainConfig with rl set): the Trainer's arguments plus its own."""
+    """TRL's DPOTrainer / KTOTrainer / ORPOTrainer for ``t`` (a TrainConfig with rl set): the Trainer's arguments plus
+    its own."""
     import trl
 
     # TRL's configs turn checkpointing on by default; the YAML's gradient_checkpointing already reached the layout
     common = {"gradient_checkpointing": False, "activation_checkpointing": False, **trainer_args,
               "beta": 0.1 if t.rl_beta is None else float(t.rl_beta), "max_length": t.sequence_len,
               "dataset_num_proc": None}
+    if t.rl == "orpo":  # Axolotl: rl_beta, else orpo_alpha, is ORPOConfig's beta
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        beta = t.rl_beta if t.rl_beta is not None else t.orpo_alpha
+        return ORPOTrainer(args=ORPOConfig(**{**common, "beta": 0.1 if beta is None else float(beta)}), **kwargs)
     if t.rl == "kto":
         args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
                              undesirable_weight=float(t.kto_undesirable_weight or 1.0))

@@ -196,7 +196,7 @@ def _run_train(job: TrainJob) -> dict:
     pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
-    if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer tokenizes and collates them itself (preference.py)
+    if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer / ORPOTrainer tokenizes and collates them (preference.py)
         trainer = preference_trainer(t, job.trainer_args, **parts)
     else:
         trainer = Trainer(args=TrainingArguments(**job.trainer_args),

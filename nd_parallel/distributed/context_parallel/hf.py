@@ -32,7 +32,7 @@ from nd_parallel.models.attention_calls import attention_keywords, computed_atte
 from nd_parallel.models.hf import find_layer_stack, sequence_mixers, text_config
 
 from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index
-from .token_outputs import gather_sequence, gathered_token_outputs
+from .token_outputs import gather_sequence, gathered_logits, gathered_token_outputs
 
 logger = logging.getLogger("nd_parallel")
 
@@ -312,7 +312,7 @@ class SequenceSharding:
         self.signature = inspect.signature(model.forward)
         self.positions_of = _positions_from_ids(model)
         self._state: list = []
-        self.per_token_outputs = False  # gather TRL's per-token outputs (token_outputs.py): set by DPO's adoption
+        self.per_token_outputs = False  # gather TRL's per-token outputs / logits with gradients (token_outputs.py)
         self.handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._post, with_kwargs=True, always_call=True),
@@ -351,7 +351,9 @@ class SequenceSharding:
         # Training with labels needs only the loss; evaluation returns the logits one process would.
         if (has_labels and torch.is_grad_enabled()) or getattr(output, "logits", None) is None:
             return None
-        output.logits = gather_sequence(output.logits, self.runtime, seq_len)
+        # TRL's ORPOTrainer builds its loss from the whole logits of a training forward: gathered with gradients
+        output.logits = (gathered_logits if self.per_token_outputs else gather_sequence)(output.logits, self.runtime,
+                                                                                          seq_len)
         return output
 
     def remove(self) -> None:

@@ -1,5 +1,6 @@
 """Per-token outputs of a sequence shard put back into the whole sequence, with their gradients (for losses that
-are not token means: DPO sums each sequence's log-probs, then mixes sequences nonlinearly).
+are not token means: DPO sums each sequence's log-probs, then mixes sequences nonlinearly; ORPO does the same with
+the whole logits, ``gathered_logits``).
 
 TRL's fused LM head (``add_fused_lm_head``, TRL 1.16) returns per-token fields (log-probs, entropy, ...) instead of
 logits. Under CP each rank computes them for its own tokens; a loss built from per-sequence sums needs every token.
@@ -41,6 +42,13 @@ class _GatherSequence(torch.autograd.Function):
         return grad[:, token_index(r.rank, r.size, padded, r.load_balance, grad.device)], None, None
 
 
+def gathered_logits(local: torch.Tensor, runtime, seq_len: int) -> torch.Tensor:
+    """The logits of the whole sequence [B, S, V], differentiable where ``local`` records a gradient (TRL's
+    ORPOTrainer: its loss mixes every token's logits into per-sequence means, on every cp rank)."""
+    return _GatherSequence.apply(local, runtime, seq_len) if local.requires_grad else gather_sequence(
+        local, runtime, seq_len)
+
+
 def gathered_token_outputs(output, runtime, seq_len: int, drop_last: bool):
     """``output`` with each per-token field of the whole sequence [B, S] (differentiable); ``drop_last``: [B, S-1],
     the shape an unshifted ``labels`` call returns (the last position predicts nothing)."""
@@ -48,7 +56,6 @@ def gathered_token_outputs(output, runtime, seq_len: int, drop_last: bool):
         local = getattr(output, name, None)
         if local is None:
             continue
-        whole = _GatherSequence.apply(local, runtime, seq_len) if local.requires_grad else gather_sequence(
-            local, runtime, seq_len)
+        whole = gathered_logits(local, runtime, seq_len)
         setattr(output, name, whole[:, :-1] if drop_last else whole)
     return output

@@ -28,6 +28,8 @@ from .dpo_types import TYPES as DPO_TYPES
 from .dpo_types import dpo_fn
 from .formats import chunk_fn, tokenize_fn
 from .kto import kto_fn
+from .orpo import TYPES as ORPO_TYPES
+from .orpo import argilla_fn
 from .packing import pack_fn
 from .preference import preference_fn
 from .sources import DatasetSpec, load_source
@@ -91,11 +93,12 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
 
 
 def _pairs(spec: DatasetSpec, tokenizer, cfg, cache: str):
-    """rl: the entry's records as prompt / chosen / rejected strings (dpo, ipo: preference.py) or prompt /
-    completion / label (kto: kto.py); TRL's trainer tokenizes them."""
+    """rl: the entry's records as prompt / chosen / rejected strings (dpo, ipo: preference.py; orpo: orpo.py) or
+    prompt / completion / label (kto: kto.py); TRL's trainer tokenizes them."""
     raw, where = load_source(spec, cache)
     fn, what = (kto_fn(spec, where), "KTO examples") if cfg.rl == "kto" else (
-        dpo_fn(spec, where) if spec.type in DPO_TYPES else preference_fn(spec, tokenizer, where), "preference pairs")
+        dpo_fn(spec, where) if spec.type in DPO_TYPES else argilla_fn(tokenizer, where) if spec.type in ORPO_TYPES
+        else preference_fn(spec, tokenizer, where), "preference pairs")
     ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
                  desc=f"rendering {what} of {spec.path}")
     return ds, f"{where}: {len(raw)} records -> {len(ds)} {what}"

@@ -18,6 +18,7 @@ from nd_parallel.config import ConfigError
 from . import instructions
 from .dpo_types import TYPES as DPO_TYPES
 from .kto import TYPES as KTO_TYPES
+from .orpo import TYPES as ORPO_TYPES
 
 TYPES = ("completion", "alpaca", "chat_template", "pretraining", "tokenized")
 # Axolotl's instruction types besides alpaca (instructions.py): alpaca:<style>, alpaca_chat, jeopardy[:<style>].
@@ -161,7 +162,7 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if kind is None:  # Axolotl: `type:` left empty reads a dataset that is already tokenized
         kind = entry["type"] = "tokenized"
     known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind)
-                                       or kind in KTO_TYPES + DPO_TYPES)  # rl's formats (rl_refusals pairs them)
+                                       or kind in KTO_TYPES + DPO_TYPES + ORPO_TYPES)  # rl's (rl_refusals pairs them)
     if not known:
         fix = instructions.problem(kind) if isinstance(kind, str) else None
         if kind == "sharegpt":
