@@ -24,7 +24,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7", "trl>=1.9,<2",
-                 "bitsandbytes>=0.50.2,<0.51", "mistral-common>=1.11.5,<2", "torchao>=0.17,<0.19"],
+                 "bitsandbytes>=0.50.2,<0.51", "mistral-common>=1.11.5,<2", "torchao>=0.17,<0.19", "scipy>=1.11"],
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         # TRL's SFTTrainer under every layout (plugins/trainer/sft.py): 1.9 is what Axolotl 0.19 pins, 1.16 is tested
@@ -32,6 +32,9 @@ setup(
         # QLoRA (load_in_4bit) and the 8-bit optimizers; its CPU backend serves CPU ranks. Requires torch (already
         # installed), numpy and packaging: it pulls no second torch.
         "qlora": ["bitsandbytes>=0.50.2,<0.51"],
+        # LoftQ initialization of LoRA (peft: {loftq_config: ...}): bitsandbytes' quantizers, and scipy, which peft
+        # requires for init_lora_weights="loftq"
+        "loftq": ["bitsandbytes>=0.50.2,<0.51", "scipy>=1.11"],
         # tokenizer_use_mistral_common (tekken.json through transformers' MistralCommonBackend). 1.11.5: Axolotl 0.19's
         # pin and transformers' minimum; pulls no torch (it caps numpy below 2.4 on Python <= 3.12).
         "mistral": ["mistral-common>=1.11.5,<2"],

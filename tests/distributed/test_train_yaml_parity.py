@@ -1,13 +1,14 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
 Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; and with optimizer: muon; and with
-use_eaft on the same data), alpaca + LoRA (curriculum_sampling), chat_template with sample packing (full), alpaca +
-chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys (gradient_checkpointing,
-fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup). Gradient accumulation 2,
-linear LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples to even out the ranks).
-The 28 runs share one 2-rank launch, the references one process. For FSDP2 the reference's micro_batch_size is
-doubled (its one rank takes both dp ranks' samples: the same global batches); everything else in its YAML is the
-same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or adapter (atol 1e-5).
+use_eaft on the same data), alpaca + LoRA (curriculum_sampling; and LoftQ-initialized), chat_template with sample
+packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
+(gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup).
+Gradient accumulation 2, linear LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples
+to even out the ranks). The 32 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
+micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else in
+its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or adapter
+(atol 1e-5).
 """
 
 import pytest
@@ -36,6 +37,9 @@ def _variants(data):
     return {
         "completion": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25, eval_steps=2),
         "alpaca_lora": dict(datasets=[alpaca], curriculum_sampling=True, **LORA),  # in order: the sequential sampler
+        # LoftQ: each adapted base weight replaced by its NF4 round trip, LoRA started from the SVD of the rest
+        "alpaca_loftq": dict(datasets=[alpaca], curriculum_sampling=True, peft={"loftq_config": {"loftq_bits": 4}},
+                             **LORA),
         # Muon orthogonalizes each whole hidden matrix, all-gathered from its FSDP / TP shards (distributed/muon.py)
         "completion_muon": dict(datasets=[{"path": data["text"], "type": "completion"}], optimizer="muon"),
         # EAFT: each token's loss weighted by its top-k entropy, the model's loss function under every layout
@@ -76,8 +80,8 @@ def runs(tmp_path_factory):
     return root
 
 
-VARIANTS = ("completion", "completion_muon", "completion_eaft", "alpaca_lora", "chat_packed", "mixed_packed_lora",
-            "real_world_lora")
+VARIANTS = ("completion", "completion_muon", "completion_eaft", "alpaca_lora", "alpaca_loftq", "chat_packed",
+            "mixed_packed_lora", "real_world_lora")
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
 # eval_steps 2: step 2 and the last; evals_per_epoch: the last
 EVALS = {"completion": 2, "completion_eaft": 2, "real_world_lora": 1}
@@ -115,3 +119,10 @@ def test_eaft_changes_the_loss(runs):
         plain, eaft = logged(runs / f"completion-ref{dp}"), logged(runs / f"completion_eaft-ref{dp}")
         for a, b in zip(plain, eaft):
             assert abs(a["loss"] - b["loss"]) > 0.05 * abs(a["loss"]), (a, b)
+
+
+def test_loftq_starts_from_the_quantized_base(runs):
+    """alpaca_loftq is alpaca_lora with LoftQ (the same samples in the same order): its first loss is the quantized
+    base's plus the SVD start, not the unchanged base's (B = 0); a run that ignored the key would match exactly."""
+    plain, loftq = logged(runs / "alpaca_lora-ref1")[0]["loss"], logged(runs / "alpaca_loftq-ref1")[0]["loss"]
+    assert plain != loftq, (plain, loftq)

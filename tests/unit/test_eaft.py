@@ -5,6 +5,7 @@ the keys are checked in the config stage. Under FSDP2 / TP2 / PP2 / CP2: tests/d
 quantizers; under FSDP2 / PP2 / CP2: tests/distributed/test_train_bitnet.py."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -171,3 +172,39 @@ def test_onebitllms_refusals(tmp_path):
         _stage(tmp_path, "use_onebitllms: true\nadapter: qlora\nload_in_4bit: true\n")
     assert "use_onebitllms with adapter='qlora'" in str(err.value)
     assert "use_onebitllms with load_in_4bit / load_in_8bit / qat" in str(err.value)
+
+
+def test_loftq_on_cpu_replaces_the_base_by_its_nf4_round_trip_and_starts_lora_from_the_error(tiny_llama):
+    """peft's init_lora_weights="loftq" through models/loftq.py on CPU: each adapted base weight becomes its NF4
+    round trip (bitsandbytes', as peft's loftq_init computes it) and B A the rank-r SVD of the rest, so with
+    lora_alpha = r the adapted layer starts closer to the original weight than the quantized base alone."""
+    import copy
+
+    import bitsandbytes as bnb
+    from peft import LoftQConfig, LoraConfig, get_peft_model
+
+    from nd_parallel.models.loftq import cpu_loftq
+
+    model = copy.deepcopy(tiny_llama)
+    original = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    with cpu_loftq():
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"],
+                                                      init_lora_weights="loftq", loftq_config=LoftQConfig(4)))
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    q = bnb.nn.Params4bit(original.clone(), requires_grad=False, compress_statistics=False, quant_type="nf4").to("cpu")
+    assert torch.equal(layer.base_layer.weight, bnb.functional.dequantize_4bit(q.data, q.quant_state))
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    assert (original - layer.base_layer.weight - delta).norm() < 0.9 * (original - layer.base_layer.weight).norm()
+
+
+def test_loftq_keys(tmp_path):
+    cfg = _stage(tmp_path, "adapter: lora\npeft:\n  loftq_config:\n    loftq_bits: 4\n")
+    from nd_parallel.cli.train.objective import adapter_kwargs
+
+    kwargs = adapter_kwargs(cfg)
+    assert kwargs["init_lora_weights"] == "loftq" and kwargs["loftq_config"].loftq_bits == 4
+    for extra, needle in [("adapter: qlora\nload_in_4bit: true\npeft: {loftq_config: {loftq_bits: 4}}\n",
+                           "LoftQ starts a new LoRA adapter on an unquantized base"),
+                          ("adapter: lora\npeft: {loftq_config: {loftq_bits: 3}}\n", "peft={'loftq_config'")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            _stage(tmp_path, extra)

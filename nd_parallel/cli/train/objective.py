@@ -1,6 +1,7 @@
 """Axolotl keys about what the model computes in training and the class its config is read with: ``use_eaft``
 (with ``eaft_alpha``, ``eaft_k``), ``use_onebitllms`` (1.58-bit linear layers, nd_parallel/models/bitnet.py),
-``cls_model_config``, and ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``).
+``cls_model_config``, ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``), and how a LoRA adapter
+starts: ``peft: {loftq_config: {loftq_bits}}`` (LoftQ, nd_parallel/models/loftq.py).
 
 EAFT weights each label token's cross-entropy by the entropy of the model's top-k prediction
 (nd_parallel/distributed/eaft.py); the ranks install it as the model's loss function before the layout is applied,
@@ -26,6 +27,9 @@ class ObjectiveOptions:
     """A transformers config class read instead of AutoConfig (e.g. Gemma3TextConfig), Axolotl's meaning."""
     use_onebitllms: bool = False
     """BitNet b1.58 training: every Linear but lm_head with ternary weights and 8-bit activations (straight-through)."""
+    peft: dict | None = None
+    """Axolotl's peft block: {loftq_config: {loftq_bits: 4 | 8}} starts LoRA with LoftQ (the base replaced by its
+    quantized round trip, the adapter by the SVD of the difference)."""
     evaluation_strategy: str | None = None
     """Axolotl's deprecated name of eval_strategy: read as eval_strategy when that is not set (Axolotl's rule)."""
 
@@ -45,7 +49,7 @@ def objective_refusals(d: dict) -> list[str]:
         out.append(f"eaft_k={k!r}: write an integer >= 1 (top logits the entropy is taken over; Axolotl's default 20)")
     if d.get("use_eaft") is True:
         out += _eaft_combinations(d)
-    out += _onebitllms(d)
+    out += _onebitllms(d) + _peft(d)
     name = d.get("cls_model_config")
     if name is not None and _config_class(name) is None:
         out.append(f"cls_model_config={name!r} is not a transformers config class; write one such as "
@@ -90,6 +94,40 @@ def _onebitllms(d: dict) -> list[str]:
         out.append("use_onebitllms with load_in_4bit / load_in_8bit / qat: the linear layers are ternary-quantized "
                    "already; drop the other quantization")
     return out
+
+
+def _peft(d: dict) -> list[str]:
+    value = d.get("peft")
+    if value in (None, {}):
+        d.pop("peft", None)
+        return []
+    loftq = value.get("loftq_config") if isinstance(value, dict) else None
+    if not (isinstance(value, dict) and set(value) <= {"loftq_config"} and isinstance(loftq, dict)
+            and set(loftq) <= {"loftq_bits"} and loftq.get("loftq_bits", 4) in (4, 8)):
+        return [f"peft={value!r}: Axolotl's peft block holds loftq_config: {{loftq_bits: 4}} (or 8); write that, or "
+                "drop it"]
+    if d.get("adapter") != "lora" or d.get("load_in_4bit") or d.get("load_in_8bit") or d.get("lora_model_dir"):
+        return ["peft.loftq_config: LoftQ starts a new LoRA adapter on an unquantized base (it quantizes the base "
+                "itself); set adapter: lora without load_in_4bit / load_in_8bit / lora_model_dir, or drop it"]
+    if d.get("lora_target_parameters"):
+        return ["peft.loftq_config with lora_target_parameters: LoftQ initializes LoRA on Linear layers only; drop "
+                "one of them"]
+    import importlib.util
+
+    missing = [p for p in ("bitsandbytes", "scipy") if importlib.util.find_spec(p) is None]
+    if missing:  # peft's LoftQ quantizes with bitsandbytes and requires scipy
+        return [f"peft.loftq_config needs {' and '.join(missing)}, not installed: pip install 'nd_parallel[loftq]'"]
+    return []
+
+
+def adapter_kwargs(t: ObjectiveOptions) -> dict:
+    """LoraConfig arguments for ``peft``: LoftQ's initialization (peft's LoftQConfig; loftq_iter 1, as Axolotl)."""
+    loftq = (t.peft or {}).get("loftq_config")
+    if loftq is None:
+        return {}
+    from peft import LoftQConfig
+
+    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(loftq_bits=loftq.get("loftq_bits", 4))}
 
 
 def _config_class(name: Any):
