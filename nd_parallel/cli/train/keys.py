@@ -72,8 +72,6 @@ REFUSED = {
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
-    "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
-                                 "is not supported: use adapter: lora (lora_target_parameters for the experts)",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)

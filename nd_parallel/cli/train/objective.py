@@ -11,6 +11,8 @@ so it holds under every layout. ``cls_model_config`` names a transformers config
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,9 @@ class ObjectiveOptions:
     """A transformers config class read instead of AutoConfig (e.g. Gemma3TextConfig), Axolotl's meaning."""
     use_onebitllms: bool = False
     """BitNet b1.58 training: every Linear but lm_head with ternary weights and 8-bit activations (straight-through)."""
+    llama4_linearized_experts: bool = False
+    """Llama 4's routed experts as one nn.Linear per expert and projection (nd_parallel/models/llama4_linear.py), so
+    that load_in_4bit quantizes them and LoRA can target them (experts.gate_projs.N), Axolotl's meaning."""
     peft: dict | None = None
     """Axolotl's peft block: {loftq_config: {loftq_bits: 4 | 8}} starts LoRA with LoftQ (the base replaced by its
     quantized round trip, the adapter by the SVD of the difference)."""
@@ -50,6 +55,8 @@ def objective_refusals(d: dict) -> list[str]:
     if d.get("use_eaft") is True:
         out += _eaft_combinations(d)
     out += _onebitllms(d) + _peft(d)
+    if d.get("llama4_linearized_experts") not in (None, True, False):
+        out.append(f"llama4_linearized_experts={d['llama4_linearized_experts']!r}; use true or false")
     name = d.get("cls_model_config")
     if name is not None and _config_class(name) is None:
         out.append(f"cls_model_config={name!r} is not a transformers config class; write one such as "
@@ -153,8 +160,6 @@ def config_kwargs(t: ObjectiveOptions, source: str, extra: dict) -> dict:
 def install_loss(t: ObjectiveOptions, model) -> None:
     """BitNet layers and EAFT as the model's loss function (before the adapter and the layout)."""
     if t.use_onebitllms:
-        import os
-
         from nd_parallel.models.bitnet import to_bitnet
 
         layers = to_bitnet(model)
@@ -165,3 +170,50 @@ def install_loss(t: ObjectiveOptions, model) -> None:
         from nd_parallel.distributed.eaft import use_eaft_loss
 
         use_eaft_loss(model, alpha=t.eaft_alpha, k=t.eaft_k)
+
+
+@contextlib.contextmanager
+def llama4_experts(t: ObjectiveOptions):
+    """Around the ranks' from_pretrained: a linearized checkpoint loads into linearized experts (the class swapped
+    while transformers builds the model); yields what to run on the loaded model (a fused checkpoint's split)."""
+    if not t.llama4_linearized_experts:
+        yield lambda model: None
+        return
+    from nd_parallel.models.llama4_linear import checkpoint_experts, linearize_experts, linearized_class
+
+    def split(model):
+        count = linearize_experts(model)
+        if count and os.environ.get("RANK", "0") == "0":
+            print(f"[nd_parallel] llama4_linearized_experts: {count} layers' fused experts split into Linears",
+                  flush=True)
+
+    if checkpoint_experts(t.base_model) == "linearized":
+        with linearized_class():
+            yield lambda model: None
+    else:
+        yield split
+
+
+def check_llama4_experts(t: ObjectiveOptions, source: str, layout, path) -> None:
+    """llama4_linearized_experts against the local checkpoint, before any rank starts: a Llama 4 model; a fused
+    checkpoint is split after loading in full precision only; the experts' Linears have no TP / EP split."""
+    from nd_parallel.config import ConfigError
+
+    if not t.llama4_linearized_experts or not os.path.isfile(os.path.join(source, "config.json")):
+        return
+    from nd_parallel.models.llama4_linear import checkpoint_experts
+
+    kind = checkpoint_experts(source)
+    if kind is None:
+        raise ConfigError(f"{path}: llama4_linearized_experts with base_model {source}: it holds no Llama 4 expert "
+                          "tensors (experts.gate_up_proj or experts.gate_projs.N); drop the key for this model")
+    if kind == "fused" and t.load_in_4bit or kind == "fused" and t.load_in_8bit:
+        raise ConfigError(f"{path}: llama4_linearized_experts with load_in_4bit / load_in_8bit on {source}, whose "
+                          "experts are stored fused (experts.gate_up_proj): they would load unquantized before the "
+                          "split; point base_model at a linearized checkpoint (keys experts.gate_projs.N), or train "
+                          "without quantization")
+    split = {k: getattr(layout, k) for k in ("tp_size", "ep_size") if getattr(layout, k, 1) > 1}
+    if split:
+        raise ConfigError(f"{path}: llama4_linearized_experts with {', '.join(f'{k}={v}' for k, v in split.items())}: "
+                          "the per-expert Linears have no tensor- or expert-parallel plan; use dp_shard_size, "
+                          "pipeline_parallel_size or context_parallel_size")

@@ -50,9 +50,10 @@ def _model(t: TrainConfig, tokenizer):
     if t.load_in_4bit or t.load_in_8bit:  # quantized tensor by tensor as transformers reads it: never the whole model
         extra.update(_quantization(t))
     extra.update(prequantized.load_kwargs(t))  # Mxfp4Config(dequantize=True): MXFP4 experts read as fp32 weights
-    with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
+    with _experts_quantized(t) as quantized, objective.llama4_experts(t) as split_after:  # Llama 4's expert Linears
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
                  else AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
+    split_after(model)
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)

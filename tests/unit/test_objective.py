@@ -208,3 +208,37 @@ def test_loftq_keys(tmp_path):
                           ("adapter: lora\npeft: {loftq_config: {loftq_bits: 3}}\n", "peft={'loftq_config'")]:
         with pytest.raises(ConfigError, match=re.escape(needle)):
             _stage(tmp_path, extra)
+
+
+def test_llama4_experts_split_and_linearized_checkpoints_load_as_linears(tmp_path):
+    """A fused Llama 4 checkpoint split after loading computes the same logits; saved, it is a linearized checkpoint,
+    which loads straight into Linears (the class swapped while transformers builds the model), bitsandbytes' 4-bit
+    Linears under load_in_4bit; the parent's checks name what cannot work."""
+    from transformers import BitsAndBytesConfig
+
+    from nd_parallel.cli.train.objective import check_llama4_experts
+    from nd_parallel.config import ParallelismConfig
+    from nd_parallel.models.llama4_linear import checkpoint_experts, linearize_experts, linearized_class
+    from nd_parallel.testing.models import save_tiny_model
+
+    fused = save_tiny_model("llama4_text", tmp_path / "fused", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(fused, dtype=torch.float32)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = model(input_ids=ids).logits
+    assert linearize_experts(model) == 2 and torch.equal(model(input_ids=ids).logits, want)
+    model.save_pretrained(tmp_path / "linear")
+    assert (checkpoint_experts(fused), checkpoint_experts(tmp_path / "linear")) == ("fused", "linearized")
+    with linearized_class():
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "linear", dtype=torch.float32)
+        four = AutoModelForCausalLM.from_pretrained(tmp_path / "linear", dtype=torch.float32,
+                                                    quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    assert torch.equal(again(input_ids=ids).logits, want)
+    assert type(four.model.layers[0].feed_forward.experts.down_projs[0]).__name__ == "Linear4bit"
+    cfg = _stage(tmp_path, "llama4_linearized_experts: true\nadapter: qlora\nload_in_4bit: true\n")
+    check_llama4_experts(cfg, str(tmp_path / "linear"), ParallelismConfig(dp_shard_size=2), "c.yml")
+    for source, layout, needle in [(fused, ParallelismConfig(), "experts are stored fused"),
+                                   (tmp_path / "linear", ParallelismConfig(tp_size=2), "with tp_size=2"),
+                                   (save_tiny_model("llama", tmp_path / "dense"), ParallelismConfig(),
+                                    "holds no Llama 4 expert tensors")]:
+        with pytest.raises(ConfigError, match=needle):
+            check_llama4_experts(cfg, str(source), layout, "c.yml")
