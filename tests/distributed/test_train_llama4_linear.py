@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from nd_parallel.testing.models import save_tiny_model
-from tests.distributed.train_yaml_helpers import (
-    jobs_for,
-    logged,
-    run_jobs,
-    saved_tensors,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, jobs_for, run_jobs, write_model_and_data, write_yaml
 
 BASE = dict(sequence_len=96, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
             lr_scheduler="linear", seed=0, optimizer="adamw_torch", bf16="auto", llama4_linearized_experts=True)
@@ -67,15 +60,9 @@ CASES = [(v, lay) for v, (_, _, layouts) in VARIANTS.items() for lay in layouts]
 @pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])
 def test_matches_one_process(runs, variant, layout):
     dp = VARIANTS[variant][2][layout][1]
-    got, ref = runs / f"{variant}-{layout}", runs / f"{variant}-ref{dp}"
-    losses, ref_losses = [r["loss"] for r in logged(got)], [r["loss"] for r in logged(ref)]
+    losses, tensors = compare_runs(runs / f"{variant}-{layout}", runs / f"{variant}-ref{dp}", rtol=1e-5, atol=1e-5,
+                                   label=f"llama4 {variant} {layout}")
     assert len(losses) == 3
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    tensors, ref_tensors = saved_tensors(got), saved_tensors(ref)
-    assert set(tensors) == set(ref_tensors) and tensors
-    worst = max((tensors[k] - v).abs().max().item() for k, v in ref_tensors.items())
-    print(f"llama4 {variant} {layout}: losses {losses} saved-tensor diff {worst:.2e}")
-    assert worst <= 1e-5
     # the experts are Linears in what was saved: per-expert weights (full), LoRA on them (adapter)
     needle = "experts.gate_projs.3." + ("lora_B" if "lora" in variant else "weight")
     assert any(needle in k for k in tensors), sorted(tensors)[:8]

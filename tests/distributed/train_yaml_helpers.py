@@ -88,3 +88,20 @@ def saved_tensors(output_dir: str | Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(output_dir).glob("*.safetensors")):
         out.update(load_file(str(file)))
     return out
+
+
+def compare_runs(got: Path, ref: Path, *, rtol: float, atol: float, label: str, first_rtol: float | None = None):
+    """Every logged loss of ``got`` against ``ref`` (rtol; the first step at ``first_rtol`` when given) and every
+    saved tensor (atol); prints the measured gaps; returns (losses, saved tensors) of ``got``."""
+    losses, ref_losses = [r["loss"] for r in logged(got)], [r["loss"] for r in logged(ref)]
+    assert len(losses) == len(ref_losses) and losses, (losses, ref_losses)
+    if first_rtol is not None:
+        torch.testing.assert_close(torch.tensor(losses[:1]), torch.tensor(ref_losses[:1]), rtol=first_rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
+    tensors, ref_tensors = saved_tensors(got), saved_tensors(ref)
+    assert set(tensors) == set(ref_tensors) and tensors
+    worst = max((tensors[k] - v).abs().max().item() for k, v in ref_tensors.items())
+    print(f"{label}: losses {losses} max loss rel diff "
+          f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e} saved-tensor diff {worst:.2e}")
+    assert worst <= atol, (label, worst)
+    return losses, tensors
