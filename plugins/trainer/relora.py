@@ -105,8 +105,8 @@ def merge_and_reinit(model, seed: int, step: int, cpu_offload: bool = False) -> 
 
 
 def _inner_optimizer(optimizer):
-    while not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer  # Accelerate's AcceleratedOptimizer, nd_parallel's step counter
+    while hasattr(optimizer, "optimizer"):  # Accelerate's AcceleratedOptimizer, nd_parallel's step counter
+        optimizer = optimizer.optimizer
     return optimizer
 
 
