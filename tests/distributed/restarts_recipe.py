@@ -12,11 +12,13 @@ from nd_parallel.plugins.trainer.relora import merge_and_reinit, prune_moments, 
 from nd_parallel.testing.parity import train_reference
 
 LAYERS = 4  # the tiny model's decoder layers
-LISA = {"n": 1, "every": 2}  # switches before steps 0, 1, 2, 4
+# a new layer before every step, 6 steps: layers [3], [0], [0], [0], [1], [3] (seed 1234): layer 3 trains, waits
+# frozen for 4 steps with its AdamW moments kept, and trains again; layer 2 is never drawn
+LISA = {"n": 1, "every": 1, "steps": 6}
 RELORA_EVERY = 2  # restarts before steps 2 and 4
 
 
-def lisa_hook(n: int, every: int, seed: int = SEED):
+def lisa_hook(n: int, every: int, seed: int = SEED, steps: int | None = None):
     def before_step(step, model, optimizer):
         if switches_at(step, every):
             set_active_layers(model, "model.layers", draw_layers(seed, step, LAYERS, n))

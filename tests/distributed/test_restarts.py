@@ -1,9 +1,11 @@
-"""LISA and ReLoRA parity (Axolotl's lisa_* and relora / jagged_restart_steps): one 2-rank launch, 5 AdamW steps in
+"""LISA and ReLoRA parity (Axolotl's lisa_* and relora / jagged_restart_steps): one 2-rank launch, 3 to 6 AdamW steps in
 fp32 on a 4-layer tiny Llama, each layout against one process on the global batch.
 
-- LISA (1 layer of 4 active, new layers before steps 0, 1, 2 and 4) under FSDP2, TP2, PP2 (each stage switches the
-  layers it holds) and CP2: frozen layers get no gradient, so AdamW neither updates nor decays them and keeps their
-  moments for when they are drawn again; the draw is seeded by (seed, step), the same on every rank.
+- LISA (1 layer of 4 active, a new draw before each of 6 steps: [3], [0], [0], [0], [1], [3]) under FSDP2, TP2, PP2
+  (each stage switches the layers it holds) and CP2: frozen layers get no gradient, so AdamW neither updates nor
+  decays them and keeps their moments for when they are drawn again (layer 3 trains at steps 0 and 5 with its step-0
+  moments: a layout that stepped a frozen layer on zero gradients, or dropped its moments, moves it by ~lr = 1e-3);
+  the draw is seeded by (seed, step), the same on every rank.
 - ReLoRA (restarts before steps 2 and 4: merge, new adapter, moments pruned) under FSDP2, DDP (the delta formed on
   the CPU, as relora_cpu_offload asks), TP2 and PP2.
 
@@ -39,7 +41,7 @@ from restarts_recipe import LAYERS, LISA, reference  # noqa: E402
 
 WORKER = "tests/distributed/restarts_worker.py"
 RECIPE = dict(steps=5)
-SAMPLES = dict(n=24, seq_len=32, seed=1)
+SAMPLES = dict(n=24, seq_len=32, seed=1)  # 6 steps x 2 per rank x 2 dp ranks
 # name -> (kind, option, layout, data-parallel ranks)
 ROWS = {"lisa_fsdp2": ("lisa", LISA, {"dp_shard_size": 2}, 2), "lisa_tp2": ("lisa", LISA, {"tp_size": 2}, 1),
         "lisa_pp2": ("lisa", LISA, {"pp_size": 2}, 1), "lisa_cp2": ("lisa", LISA, {"cp_size": 2}, 1),
@@ -91,12 +93,13 @@ def test_restarts_under_a_layout_equal_one_process(launched, model_dir, memo, na
 
 
 def test_lisa_reference_keeps_an_undrawn_layer(model_dir, memo):
-    """Non-vacuity: layer 2 is never drawn in these 5 steps (draws [3], [0], [0], [1]); its weights stay as loaded,
-    while the drawn layers move."""
+    """Non-vacuity: layer 2 is never drawn in these 6 steps; its weights stay as loaded, while the drawn layers
+    move."""
     from transformers import AutoModelForCausalLM
 
+    recipe = Recipe(**{**RECIPE, "steps": LISA["steps"]})
     ref = memo(("restarts", "lisa", str(LISA), 2), lambda: reference("lisa", model_dir, make_samples(**SAMPLES), 2,
-                                                                      Recipe(**RECIPE), LISA))
+                                                                      recipe, LISA))
     start = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     key = "model.layers.{}.mlp.up_proj.weight"
     assert torch.equal(ref.state[key.format(2)], start[key.format(2)])
