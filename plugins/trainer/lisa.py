@@ -11,7 +11,7 @@ Two choices made for the layouts, neither changing what is trained:
 
 - **The draw.** Axolotl draws from numpy's global generator, whose position depends on whatever else used it;
   here each switch draws from a generator seeded with (seed, step), so every rank (and one process) draws the
-  same layers, and a resumed run the same ones as the run it resumes. Same distribution: a uniform choice of
+  same layers, and a resumed run the same ones as the run it resumes (it starts with the last switch's draw). Same distribution: a uniform choice of
   ``lisa_n_layers`` distinct layers.
 - **Which parameters.** The layers are found by parameter name (``<lisa_layers_attribute>.<index>.``), on the model
   the layout prepared: nd_parallel keeps Hugging Face names under FSDP2, TP, CP and PP, and under PP a stage
@@ -35,6 +35,11 @@ def draw_layers(seed: int, step: int, total: int, n: int) -> list[int]:
 def switches_at(step: int, interval: int) -> bool:
     """Axolotl's rule: switch before step 0, before step 1 and before every multiple of the interval."""
     return step % interval == 0 or step == 1
+
+
+def last_switch(step: int, interval: int) -> int:
+    """The latest switch at or before ``step`` (a resumed run starts with the layers drawn there)."""
+    return max(min(step, 1), step // interval * interval)
 
 
 def count_layers(model, attribute: str) -> int:
@@ -78,9 +83,10 @@ class LISACallback(TrainerCallback):
         self.active: list[int] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if not switches_at(state.global_step, self.interval):
+        resumed = not self.active  # the first step of this process: a resumed run takes up its last draw
+        if not (switches_at(state.global_step, self.interval) or resumed):
             return control
-        self.active = draw_layers(args.seed, state.global_step, self.total, self.n)
+        self.active = draw_layers(args.seed, last_switch(state.global_step, self.interval), self.total, self.n)
         model = self.trainer.model_wrapped if self.trainer.model_wrapped is not None else self.trainer.model
         if not set_active_layers(model, self.attribute, self.active) and self.trainer.is_world_process_zero():
             print(f"[nd_parallel] lisa: no parameter of this rank is under {self.attribute}", flush=True)

@@ -13,7 +13,14 @@ import torch
 from nd_parallel.cli.train.config import load_train_config
 from nd_parallel.cli.train.restarts import check_layout
 from nd_parallel.config import ConfigError, ParallelismConfig
-from nd_parallel.plugins.trainer.lisa import LISACallback, count_layers, draw_layers, set_active_layers, switches_at
+from nd_parallel.plugins.trainer.lisa import (
+    LISACallback,
+    count_layers,
+    draw_layers,
+    last_switch,
+    set_active_layers,
+    switches_at,
+)
 from nd_parallel.plugins.trainer.relora import merge_and_reinit, prune_moments, prune_ratio
 from tests.unit.axolotl_venv import run_in_axolotl
 
@@ -130,6 +137,10 @@ def test_lisa_callback_switches_the_prepared_model():
     assert callback.active == draw_layers(9, 0, 4, 2)
     frozen = {n.split(".")[2] for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {str(i) for i in range(4)} - {str(i) for i in callback.active}
+    resumed = LISACallback(trainer, 2, 4)  # a run resumed at step 6 trains the layers drawn at step 4
+    resumed.on_step_begin(SimpleNamespace(seed=9), SimpleNamespace(global_step=6, is_world_process_zero=False), None)
+    assert resumed.active == draw_layers(9, 4, 4, 2)
+    assert [last_switch(s, 4) for s in range(10)] == [0, 1, 1, 1, 4, 4, 4, 4, 8, 8]
 
 
 def test_relora_restart_keeps_the_function_and_prunes_the_share_asked():
