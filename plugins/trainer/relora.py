@@ -153,6 +153,10 @@ class ReLoRACallback(TrainerCallback):
         self.ratio = prune_ratio(self.method, ratio)
         self.restarts = 0
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.restarts = max(state.global_step - 1, 0) // self.every  # a resumed run counts the restarts it holds
+        return control
+
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step
         if step == 0 or step % self.every:
