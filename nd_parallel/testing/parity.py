@@ -68,11 +68,13 @@ def _collate(samples):
 
 
 def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None, progress=None,
-                    scaler=None) -> RunResult:
+                    scaler=None, before_step=None) -> RunResult:
     """Single process, global batch = per_rank_batch * dp_size consecutive samples (what dp ranks share).
 
     ``model``: an already built model (e.g. wrapped with PEFT) instead of ``from_pretrained(model_dir)``.
     ``progress(step, loss)``: called after each optimizer step, as train_layout calls it.
+    ``before_step(step, model, optimizer)``: called before each step's forward (a Trainer's on_step_begin), with
+    the model and optimizer that train (train_layout passes the prepared ones).
     ``scaler``: a ``torch.amp.GradScaler`` (fp16), used as torch documents it; the LR schedule skips a skipped
     step, as Accelerate's does.
     """
@@ -85,6 +87,8 @@ def train_reference(model_dir, samples, dp_size: int, recipe: Recipe, model=None
     for step, batch in enumerate(loader):
         if step == recipe.steps:
             break
+        if before_step is not None:
+            before_step(step, model, opt)
         loss = model(**batch).loss
         (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is not None:
@@ -125,7 +129,7 @@ def evaluate(accelerator, model, loader, step: int) -> EvalResult:
 
 
 def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progress=None, eval_samples=None,
-                 model=None) -> RunResult:
+                 model=None, before_step=None) -> RunResult:
     """The unchanged Accelerate loop of docs/architecture.md, under whatever layout ``plugin`` holds."""
     model = model if model is not None else plugin.from_pretrained(model_dir)
     opt, sched = optimizer_and_schedule(model, recipe)
@@ -141,6 +145,8 @@ def train_layout(accelerator, plugin, model_dir, samples, recipe: Recipe, progre
             result.evals.append(evaluate(accelerator, model, eval_loader, step))
         if step == recipe.steps:
             break
+        if before_step is not None:
+            before_step(step, model, opt)
         out = model(**batch)
         accelerator.backward(out.loss)
         norm = accelerator.clip_grad_norm_(model.parameters(), recipe.max_norm)

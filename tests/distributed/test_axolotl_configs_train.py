@@ -24,14 +24,14 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 24 of the 50 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 26 of the 53 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
            "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat", "llama3_dpo_lora_fsdp2",
            "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2",
-           "chatml_orpo_lora_fsdp2"]
+           "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -192,3 +192,34 @@ def test_kto_run_starts_at_the_reference(runs):
     assert first == [True, False]
     assert abs(losses[0] - 0.75) < 1e-6, losses
     assert losses[1] != losses[0] and all(map(math.isfinite, losses)), losses
+
+
+def test_lisa_run_trains_only_the_drawn_layers(runs):
+    """lisa_n_layers: 1 of 2, drawn before each of the 2 steps (seeded by seed and step): under PP2 every layer drawn
+    at least once moved, a layer never drawn is saved as loaded; the embeddings (outside the stack) train."""
+    from safetensors.torch import load_file
+
+    from nd_parallel.plugins.trainer.lisa import draw_layers
+
+    root, jobs = runs
+    before = load_file(str(root / "models" / "llama" / "model.safetensors"))
+    after = saved_tensors(jobs["llama_lisa_pp2"].train.output_dir)
+    drawn = {i for step in (0, 1) for i in draw_layers(7, step, 2, 1)}
+    for i in range(2):
+        key = f"model.layers.{i}.self_attn.q_proj.weight"
+        assert torch.equal(before[key], after[key]) == (i not in drawn), (i, drawn)
+    assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+
+
+def test_relora_run_saves_the_merged_model(runs):
+    """relora: the restart before step 1 merged step 0's adapter into the base, and the run saves the merged model
+    (no adapter files), whose projection weights moved from the checkpoint's."""
+    from safetensors.torch import load_file
+
+    root, jobs = runs
+    out = Path(jobs["llama_relora_fsdp2"].train.output_dir)
+    before = load_file(str(root / "models" / "llama" / "model.safetensors"))
+    after = saved_tensors(out)
+    assert not (out / "adapter_config.json").exists() and not any("lora_" in k for k in after), sorted(after)[:4]
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(before[key], after[key])

@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import prequantized
+from . import prequantized, restarts
 from .data import mistral
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
 from .streaming import streaming_notes, streaming_refusals
@@ -27,7 +27,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass(kw_only=True)
-class AxolotlExtras(ObjectiveOptions):
+class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions):  # restarts.py: lisa_*, relora*, jagged_*
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -116,7 +116,7 @@ def extra_refusals(d: dict) -> list[str]:
         elif targets and d.get("lora_dropout"):  # Axolotl's rule: peft's ParamWrapper refuses dropout
             out.append(f"lora_dropout={d['lora_dropout']!r} with lora_target_parameters: LoRA on parameter tensors "
                        "cannot apply dropout (peft refuses it, and so does Axolotl); set lora_dropout: 0")
-    out += _moe_quantization(d) + _qat(d) + prequantized.refusals(d)
+    out += _moe_quantization(d) + _qat(d) + prequantized.refusals(d) + restarts.refusals(d)  # lisa, relora
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")

@@ -58,8 +58,7 @@ REFUSED = {
     "loraplus_lr_ratio": "LoRA+ is not implemented: drop it",
     "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
     "merge_lora": "merge after training with peft's merge_and_unload()",
-    "relora": "ReLoRA is not implemented: use adapter: lora",
-    "lisa_n_layers": "LISA is not implemented: use adapter: lora",
+    "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
     "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,

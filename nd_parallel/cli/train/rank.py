@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import objective, prequantized
+from . import objective, prequantized, restarts
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -213,6 +213,12 @@ def _run_train(job: TrainJob) -> dict:
         from .schedules import use_quadratic_warmup
 
         use_quadratic_warmup(trainer)
+    if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)
+        from .schedules import use_jagged_restarts
+
+        use_jagged_restarts(trainer, t)
+    for callback in restarts.callbacks(t, trainer):  # lisa_*, relora (restarts.py)
+        trainer.add_callback(callback)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
     # After a failure torchrun's elastic agent (--max-restarts) starts the ranks again: they take the latest complete
@@ -230,7 +236,12 @@ def _run_train(job: TrainJob) -> dict:
     except StopBeforeTheFirstStep.Reached:  # the model is prepared and loaded from the checkpoint: save it again
         if trainer.is_world_process_zero():
             print(f"[nd_parallel] {Path(resume).name} is the run's last step: nothing left to train", flush=True)
-    trainer.save_model(t.output_dir)  # collective: the full HF model, or the adapter; plus the tokenizer
+    if t.relora:  # Axolotl saves a ReLoRA run merged (merge_and_unload): the restarts' merges and the last adapter
+        trainer.accelerator.save_model(trainer.model_wrapped, t.output_dir, merge_adapter=True)
+        if trainer.is_world_process_zero():
+            tokenizer.save_pretrained(t.output_dir)
+    else:
+        trainer.save_model(t.output_dir)  # collective: the full HF model, or the adapter; plus the tokenizer
     logs = trainer.state.log_history
     return {"losses": [h["loss"] for h in logs if "loss" in h],
             "norms": [h.get("grad_norm", float("nan")) for h in logs if "loss" in h],

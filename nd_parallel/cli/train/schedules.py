@@ -18,7 +18,7 @@ import math
 import types
 from functools import partial
 
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 
 def quadratic_warmup_factor(step: int, *, num_warmup_steps: int, num_training_steps: int,
@@ -67,3 +67,58 @@ def use_muon(trainer, t) -> None:
         return self.optimizer
 
     trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
+
+
+class JaggedRestarts(LRScheduler):
+    """Axolotl's jagged restarts (``jagged_restart_steps`` / ``_warmup_steps`` / ``_anneal_steps``, its
+    JaggedLRRestartScheduler): the inner schedule's LR times a factor that, from the first anneal on, falls linearly to
+    ``min_scale`` over the ``anneal`` steps before each restart and climbs back over the ``warmup`` steps after it.
+    As in Axolotl this scheduler counts one step ahead of the inner one it was built on (LRScheduler's own first
+    step), and ``min_scale`` is cosine_min_lr_ratio or 0.001."""
+
+    def __init__(self, optimizer, inner, every: int, warmup: int, anneal: int = 1, min_scale: float = 0.001):
+        self.inner, self.every, self.warmup, self.anneal, self.min_scale = inner, every, warmup, anneal, min_scale
+        super().__init__(optimizer, inner.last_epoch)
+
+    def factor(self, step: int) -> float:
+        if step < self.every - self.anneal:
+            return 1.0
+        into = step % self.every
+        if into < self.warmup:
+            t = min(1.0, into / self.warmup)
+        elif into > self.every - self.anneal:
+            t = min(1.0, (self.every - into) / self.anneal)
+        else:
+            t = 1.0
+        return t * (1 - self.min_scale) + self.min_scale
+
+    def get_lr(self):
+        self.inner.last_epoch = self.last_epoch
+        scale = self.factor(self.last_epoch)
+        return [lr * scale for lr in self.inner.get_lr()]
+
+    def state_dict(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "inner")}
+        return {**state, "inner_state": self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        self.inner.load_state_dict(state.pop("inner_state"))
+        self.__dict__.update(state)
+
+
+def use_jagged_restarts(trainer, t) -> None:
+    """The Trainer's scheduler, whichever it builds, wrapped in JaggedRestarts (Axolotl wraps it in its
+    create_scheduler whenever jagged_restart_steps is set, with or without relora)."""
+    build = trainer.create_scheduler
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = build(num_training_steps, optimizer)
+        if not isinstance(scheduler, JaggedRestarts):
+            self.lr_scheduler = JaggedRestarts(
+                optimizer if optimizer is not None else self.optimizer, scheduler, t.jagged_restart_steps,
+                t.jagged_restart_warmup_steps or 10, t.jagged_restart_anneal_steps or 1,
+                min_scale=t.cosine_min_lr_ratio or 0.001)
+        return self.lr_scheduler
+
+    trainer.create_scheduler = types.MethodType(create_scheduler, trainer)
