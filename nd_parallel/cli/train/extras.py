@@ -19,6 +19,7 @@ from nd_parallel.config import ConfigError
 
 from . import prequantized
 from .data import mistral
+from .multimodal import MultimodalOptions, multimodal_refusals  # noqa: F401 - re-exported for config.py
 from .streaming import streaming_notes, streaming_refusals
 
 # transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .equivalents import offload_setting
+from .multimodal import is_multimodal_class
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
               "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "muon")
@@ -70,8 +71,6 @@ REFUSED = {
     "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
                             "only; " + _NOT_SFT,
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
-    "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
-                      "train the text model with a text dataset (chat_template, alpaca, completion)",
     "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
                                  "is not supported: use adapter: lora (lora_target_parameters for the experts)",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
@@ -177,7 +176,8 @@ def value_refusals(d: dict) -> list[str]:
         if d.get(key) not in (None, *SAVE_STRATEGIES):
             out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
     model_type = d.get("model_type")
-    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
+    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM") \
+            and not is_multimodal_class(model_type):  # multimodal.py: a vision-language class needs a processor
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
 

@@ -8,8 +8,8 @@ prompt folded into the first user turn, plus the assistant header for ``add_gene
 ``tokenizer_default_fallback_<name>`` (the tokenizer's own, else <name>) and ``jinja`` (``chat_template_jinja``:
 a template inline, or the path of a ``.jinja`` file).
 
-Tool calls, images and reasoning blocks are not rendered: `nd-parallel train` reads text conversations (role +
-content), which is what the label masking (formats.py) trains on.
+Tool calls and reasoning blocks are not rendered. Images are: with processor_type, mm_templates.py turns each
+image item into the family's placeholder before the same templates render the turns (llava and qwen2_vl added).
 """
 
 from __future__ import annotations
@@ -92,6 +92,12 @@ FORMATS: dict[str, TurnFormat] = {
 FORMATS["gemma4_unified"] = FORMATS["gemma4"]
 # Axolotl names whose templates render images or audio through a processor: not text chat templates.
 MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
+# Those written here (with processor_type; mm_templates.py turns image items into placeholders first): llava's
+# "ROLE: " headers (system has none) and a space after each turn, Qwen2-VL's ChatML with its default system prompt.
+MM_FORMATS = {
+    "llava": TurnFormat("{role}: ", " ", headers={"system": ""}, rename={"user": "USER", "assistant": "ASSISTANT"}),
+    "qwen2_vl": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", default_system="You are a helpful assistant."),
+}
 
 
 def _q(text: str) -> str:
@@ -133,16 +139,22 @@ def jinja(fmt: TurnFormat) -> str:
     return "".join(parts)
 
 
-def template_problem(name) -> str | None:
-    """Why ``chat_template: name`` cannot be used (None when it can): read at the config stage."""
+def template_problem(name, multimodal: bool = False) -> str | None:
+    """Why ``chat_template: name`` cannot be used (None when it can): read at the config stage. ``multimodal``: a
+    processor renders images (processor_type), so the vision templates of mm_templates.py are known too."""
     if name in (None, "tokenizer_default", "jinja") or name in FORMATS:
         return None
     base = name.removeprefix("tokenizer_default_fallback_") if isinstance(name, str) else name
     if base in FORMATS:
         return None
     if base in MULTIMODAL:
-        return (f"chat_template={name!r} renders images/audio through a processor; nd-parallel train reads text "
-                f"conversations: use one of the text templates ({', '.join(sorted(FORMATS))})")
+        if multimodal and base in MM_FORMATS:
+            return None
+        if multimodal:
+            return (f"chat_template={name!r}: our own Jinja for it is not written yet; use chat_template: "
+                    f"tokenizer_default (the processor's own template) or one of {', '.join(sorted(MM_FORMATS))}")
+        return (f"chat_template={name!r} renders images through a processor: set processor_type: AutoProcessor "
+                f"(a vision-language checkpoint), or use one of the text templates ({', '.join(sorted(FORMATS))})")
     return (f"chat_template={name!r} is not a chat template nd-parallel train knows; use tokenizer_default, "
             f"tokenizer_default_fallback_<name>, jinja (with chat_template_jinja) or one of: "
             f"{', '.join(sorted(FORMATS))}")
