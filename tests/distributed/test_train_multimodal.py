@@ -32,7 +32,7 @@ BASE = dict(processor_type="AutoProcessor", skip_prepare_dataset=True, remove_un
             sample_packing=False, sequence_len=256, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
             learning_rate=1e-3, lr_scheduler="linear", weight_decay=0.01, seed=0, adam_epsilon=1e-6,
             optimizer="adamw_torch", bf16="auto")
-REGEX = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # Axolotl's examples
+REGEX = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # Axolotl
 LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=REGEX)
 VARIANTS = {"llava_lora": ("llava", dict(chat_template="llava", **LORA)),
             "llava_full": ("llava", dict(chat_template="llava")),
