@@ -2,7 +2,11 @@
 Gemma 3 text, a different processor, image tokens and label masking) under FSDP2, DDP and TP2 vs one process.
 
 The rows are image chat conversations in Axolotl's three forms (an image item with a path, one with base64 bytes,
-a bare image item filled from an ``images`` column), random-pixel PNGs of several sizes (fixed seed). Each rank
+a bare image item filled from an ``images`` column), random-pixel PNGs of several sizes (fixed seed), read in
+order (curriculum_sampling). The LoRA variants' rows include text-only ones, placed so that one rank's micro-batch
+holds no image while the other's does (the frozen vision tower then runs on one rank only); full fine-tuning
+over data-parallel ranks refuses such rows in the parent (mm_rows.check_imageless: FSDP2 cannot reduce a gradient
+that one rank lacks), so its rows all hold an image. Each rank
 processes its own rows at collate time (data/mm_collate.py). Variants: Llava + LoRA on Axolotl's example regex
 (``model.language_model.layers...``), Llava full fine-tuning (the vision tower and projector train too; under TP
 they are replicated), Gemma 3 full fine-tuning with its role masking, and Gemma 3 + LoRA with freeze_mm_modules.
@@ -31,7 +35,7 @@ from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, sav
 BASE = dict(processor_type="AutoProcessor", skip_prepare_dataset=True, remove_unused_columns=False,
             sample_packing=False, sequence_len=256, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
             learning_rate=1e-3, lr_scheduler="linear", weight_decay=0.01, seed=0, adam_epsilon=1e-6,
-            optimizer="adamw_torch", bf16="auto")
+            optimizer="adamw_torch", bf16="auto", curriculum_sampling=True)
 REGEX = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # Axolotl
 LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=REGEX)
 VARIANTS = {"llava_lora": ("llava", dict(chat_template="llava", **LORA)),
@@ -43,13 +47,16 @@ LAYOUTS = {"fsdp2": ({"dp_shard_size": 2}, 2), "ddp": ({"dp_replicate_size": 2},
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
 
 
-def _rows(root, n: int = 48) -> list[dict]:
-    """n conversations, each with one image, in Axolotl's three forms (path, base64, images column)."""
+def _rows(root, n: int = 48, text_only: bool = False) -> list[dict]:
+    """n conversations with one image in Axolotl's three forms (path, base64, images column); with text_only, 1 in
+    6 has none."""
     images, lines = write_images(root / "images", 8, seed=0), make_text(3 * n, seed=5)
     rows = []
     for i in range(n):
         image, user, answer = images[i % len(images)], lines[3 * i], lines[3 * i + 1]
-        if i % 3 == 0:
+        if text_only and i % 12 in (2, 3):  # text only: read in order, these two make one rank's micro-batch without an image
+            turns, extra = [{"role": "user", "content": user}], {}
+        elif i % 3 == 0:
             item = {"type": "image", "path": str(image)}
             turns = [{"role": "user", "content": [item, {"type": "text", "text": user}]}]
             extra = {}
@@ -72,10 +79,12 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_multimodal")
     models = {family: str(save_tiny_vlm(family, root / family, seed=1)) for family in ("llava", "gemma3")}
     (root / "mm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root)))
+    (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root, text_only=True)))
     parallel, refs = [], []
     for variant, (family, keys) in VARIANTS.items():
         shared = {**BASE, **keys, "base_model": models[family],
-                  "datasets": [{"path": str(root / "mm.jsonl"), "type": "chat_template"}]}
+                  "datasets": [{"path": str(root / ("mixed.jsonl" if "lora" in variant else "mm.jsonl")),
+                                "type": "chat_template"}]}
         for layout, (sizes, _) in LAYOUTS.items():
             parallel.append(write_yaml(root / f"{variant}-{layout}.yaml",
                                        {**shared, **sizes, "output_dir": str(root / f"{variant}-{layout}")}))

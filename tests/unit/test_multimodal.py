@@ -40,7 +40,7 @@ def test_axolotls_multimodal_keys_are_read(tmp_path):
     ("sample_packing: true\n", "sample_packing=True with processor_type: packing multimodal rows is not supported"),
     ("pipeline_parallel_size: 2\n", "pipeline_parallel_size=2 with processor_type: the vision tower"),
     ("context_parallel_size: 2\n", "context_parallel_size=2 with processor_type: a sequence shard holds only part"),
-    ("chat_template: pixtral\n", "chat_template='pixtral': our own Jinja for it is not written yet"),
+    ("chat_template: llama3_2_vision\n", "chat_template='llama3_2_vision': our own Jinja for it is not written yet"),
     ("image_size: [1, 2, 3]\n", "image_size=[1, 2, 3]: write an integer"),
     ("image_resize_algorithm: nearest\n", "image_resize_algorithm='nearest': use one of bilinear"),
     ("processor_type: VoxtralProcessor\n", "processor_type='VoxtralProcessor': audio inputs are not implemented"),
@@ -200,3 +200,42 @@ def test_freeze_mm_modules_freezes_the_vision_tower_and_projector(tmp_path):
     assert frozen and all(".vision_tower." in n or ".multi_modal_projector." in n for n in frozen)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         n for n, _ in model.named_parameters() if "language_model" in n or n.startswith("lm_head")}
+
+
+def test_pixtral_template_drops_the_system_prompt_of_a_finished_conversation():
+    """Axolotl's pixtral.jinja writes the system prompt only before a conversation's final user turn (checked
+    against it: llava, qwen2_vl and pixtral render these conversations as Axolotl's own files do)."""
+    from jinja2 import Template
+
+    from nd_parallel.cli.train.data.mm_templates import IMAGE_MARKS, flatten
+
+    template, name = template_for("pixtral", None, None)
+    turns = [{"role": "system", "content": [{"type": "text", "text": "sys"}]},
+             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+             {"role": "user", "content": [{"type": "text", "text": "more"}]}]
+    render = Template(template).render
+    flat = flatten(turns, IMAGE_MARKS[name], False)
+    assert render(messages=flat, bos_token="<s>", eos_token="</s>") == (
+        "<s>[INST][IMG]hi[/INST]ok</s>[INST]sys\n\nmore[/INST]")
+    assert render(messages=flat[:3], bos_token="<s>", eos_token="</s>") == "<s>[INST][IMG]hi[/INST]ok</s>"
+
+
+def test_rows_without_an_image_are_refused_where_the_vision_tower_trains_over_dp_ranks():
+    import datasets
+
+    from nd_parallel.cli.train.config import TrainConfig
+    from nd_parallel.cli.train.data.mm_rows import check_imageless
+
+    rows = datasets.Dataset.from_list([{"mm": json.dumps({"messages": [{"role": "user", "content": c}]})} for c in (
+        [{"type": "text", "text": "a"}], [{"type": "image", "path": "x.png"}])])
+    full = TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor")
+    with pytest.raises(ConfigError, match=r"1 of 2 multimodal rows have no image, and the vision tower trains over 2 "
+                                          r"data-parallel ranks.*set freeze_mm_modules: true"):
+        check_imageless(full, rows, dp=2)
+    check_imageless(full, rows, dp=1)  # one rank (or TP): every rank sees the same rows
+    for fine in (dict(freeze_mm_modules=True), dict(adapter="lora", lora_target_modules=["q_proj"])):
+        check_imageless(TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor", **fine), rows, dp=2)
+    with pytest.raises(ConfigError):  # LoRA on every Linear adapts the vision tower's too
+        check_imageless(TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor", adapter="lora",
+                                    lora_target_linear=True), rows, dp=2)

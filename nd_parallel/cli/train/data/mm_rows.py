@@ -140,10 +140,10 @@ def load_processor(cfg):
     return processor
 
 
-def prepare_multimodal(cfg, workdir, split) -> tuple:
-    """data.prepare for processor_type: rows normalised, mixed, split (``split``: data._split); the processor and the
-    collator's settings saved beside them (no tokenizing here: the ranks process their own rows). Returns
-    data.Prepared's fields."""
+def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
+    """data.prepare for processor_type: rows normalised, checked (`check_imageless`), mixed, split (``split``:
+    data._split); the processor and the collator's settings saved beside them (no tokenizing here: the ranks process
+    their own rows). Returns data.Prepared's fields."""
     import datasets
 
     from .mm_collate import SETTINGS_FILE, MMSettings
@@ -164,6 +164,7 @@ def prepare_multimodal(cfg, workdir, split) -> tuple:
         parts.append(ds)
         lines.append(line)
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    check_imageless(cfg, merged, dp)
     if cfg.shuffle_merged_datasets and len(parts) > 1:
         merged = merged.shuffle(seed=cfg.seed)
     train, evals = split(merged, cfg)
@@ -188,3 +189,25 @@ def load_prepared_processor(path: str):
     root = Path(path) / "processor"
     settings = MMSettings(**json.loads((root / SETTINGS_FILE).read_text()))
     return AutoProcessor.from_pretrained(str(root)), settings
+
+
+def vision_trains(cfg) -> bool:
+    """Whether the vision tower may get gradients: full fine-tuning, or LoRA on every Linear (lora_target_linear),
+    unless freeze_mm_modules."""
+    return not cfg.freeze_mm_modules and (cfg.adapter not in ("lora", "qlora") or bool(cfg.lora_target_linear))
+
+
+def check_imageless(cfg, rows, dp: int) -> None:
+    """Refuse rows without an image where the vision tower trains over several data-parallel ranks: a micro-batch
+    without an image leaves the tower without gradients on its rank while another rank has them, and FSDP2's
+    reduce-scatter of the tower's group then gets different sizes from the ranks (the collective fails)."""
+    if dp <= 1 or not vision_trains(cfg):
+        return
+    missing = sum('"type": "image"' not in row for row in rows["mm"])
+    if missing:
+        raise ConfigError(f"{missing} of {len(rows)} multimodal rows have no image, and the vision tower trains over "
+                          f"{dp} data-parallel ranks: a micro-batch without an image leaves it without gradients on "
+                          "its rank while other ranks have them, which the sharded/replicated gradient reduction cannot "
+                          "pair; set freeze_mm_modules: true (train the language model), use adapter: lora on the "
+                          "language model's layers (lora_target_modules), give every row an image, or use "
+                          "tensor_parallel_size instead of data parallelism")

@@ -31,7 +31,8 @@ class TurnFormat:
     bos: bool = False
     """Start with the tokenizer's bos_token."""
     system: str = "turn"
-    """"turn": system is a turn of its own; "first_user": prepended to the first user turn (+ "\\n\\n")."""
+    """"turn": system is a turn of its own; "first_user": prepended to the first user turn (+ "\\n\\n");
+    "last_user": prepended to a user turn that ends the conversation, else dropped (Pixtral's template)."""
     rename: dict = field(default_factory=dict)
     """Template role -> the name written in the header (Gemma writes "model" for "assistant")."""
     headers: dict = field(default_factory=dict)
@@ -93,10 +94,14 @@ FORMATS["gemma4_unified"] = FORMATS["gemma4"]
 # Axolotl names whose templates render images or audio through a processor: not text chat templates.
 MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
 # Those written here (with processor_type; mm_templates.py turns image items into placeholders first): llava's
-# "ROLE: " headers (system has none) and a space after each turn, Qwen2-VL's ChatML with its default system prompt.
+# "ROLE: " headers (system has none) and a space after each turn, Qwen2-VL's ChatML with its default system prompt,
+# Pixtral's [INST] turns.
 MM_FORMATS = {
     "llava": TurnFormat("{role}: ", " ", headers={"system": ""}, rename={"user": "USER", "assistant": "ASSISTANT"}),
     "qwen2_vl": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", default_system="You are a helpful assistant."),
+    # Pixtral: [INST]user[/INST]assistant</s>; the system prompt only before a final user turn (generation)
+    "pixtral": TurnFormat("", "", bos=True, system="last_user", headers={"user": "[INST]"},
+                          footers={"user": "[/INST]", "assistant": "{eos}"}),
 }
 
 
@@ -113,7 +118,7 @@ def jinja(fmt: TurnFormat) -> str:
     if fmt.bos:
         parts.append("{{ bos_token }}")
     parts.append("{% set ns = namespace(prefix='', last_user=-1) %}{% set loop_messages = messages %}")
-    if fmt.system == "first_user":
+    if fmt.system in ("first_user", "last_user"):
         parts.append("{% if messages and messages[0]['role'] == 'system' %}{% set ns.prefix = messages[0]"
                      "['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}{% endif %}")
     elif fmt.default_system is not None:
@@ -124,7 +129,8 @@ def jinja(fmt: TurnFormat) -> str:
                  "{% endif %}{% endfor %}")
     content = "(m['content'] | trim)" if fmt.trim else "m['content']"
     parts.append("{% for m in loop_messages %}{% set c = " + content + " %}"
-                 "{% if m['role'] == 'user' and ns.prefix %}{% set c = ns.prefix + c %}{% set ns.prefix = '' %}"
+                 "{% if m['role'] == 'user' and ns.prefix" + (" and loop.last" if fmt.system == "last_user" else "")
+                 + " %}{% set c = ns.prefix + c %}{% set ns.prefix = '' %}"
                  "{% endif %}")
     for i, role in enumerate(roles):
         keyword = "if" if i == 0 else "elif"
