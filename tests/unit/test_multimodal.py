@@ -239,3 +239,18 @@ def test_rows_without_an_image_are_refused_where_the_vision_tower_trains_over_dp
     with pytest.raises(ConfigError):  # LoRA on every Linear adapts the vision tower's too
         check_imageless(TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor", adapter="lora",
                                     lora_target_linear=True), rows, dp=2)
+
+
+def test_a_template_that_drops_images_is_refused_before_the_ranks(processors, images):
+    """The tiny processors carry a text-only ChatML template: as tokenizer_default it would render no image token."""
+    import datasets
+
+    from nd_parallel.cli.train.data.mm_rows import check_rendering
+
+    turns = [{"role": "user", "content": [{"type": "image", "path": str(images[0])}, {"type": "text", "text": "a"}]}]
+    rows = datasets.Dataset.from_list([{"mm": json.dumps({"messages": turns})}])
+    with pytest.raises(ConfigError, match=r"the processor's own chat template renders 0 '<image>' placeholder\(s\) for "
+                                          r"a conversation with 1 image\(s\)"):
+        check_rendering(processors["llava"], MMSettings(), rows)
+    template, name = template_for("llava", None, None)
+    check_rendering(processors["llava"], MMSettings(template=template, name=name), rows)

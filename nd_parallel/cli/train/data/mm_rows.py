@@ -165,6 +165,7 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
         lines.append(line)
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     check_imageless(cfg, merged, dp)
+    check_rendering(processor, settings, merged)
     if cfg.shuffle_merged_datasets and len(parts) > 1:
         merged = merged.shuffle(seed=cfg.seed)
     train, evals = split(merged, cfg)
@@ -191,6 +192,24 @@ def load_prepared_processor(path: str):
     return AutoProcessor.from_pretrained(str(root)), settings
 
 
+def check_rendering(processor, settings, rows) -> None:
+    """The first row with images, rendered as the ranks will: a template that drops image items (a text template
+    as the processor's own) would stop every rank in the processor; stop here instead, with the fix."""
+    from .mm_collate import MultimodalCollator
+
+    first = next((json.loads(r) for r in rows["mm"] if '"type": "image"' in r), None)
+    mark = getattr(processor, "image_token", None)
+    if first is None or settings.name is not None or not mark:  # a named template writes the family's placeholder
+        return
+    images = sum(i["type"] == "image" for m in first["messages"] for i in m["content"])
+    text = MultimodalCollator(processor, settings).render(first["messages"])
+    if text.count(mark) < images:
+        which = "chat_template_jinja" if settings.template else "the processor's own chat template"
+        raise ConfigError(f"{which} renders {text.count(mark)} {mark!r} placeholder(s) for a conversation with "
+                          f"{images} image(s): it does not render image items; name a vision template (chat_template: "
+                          "llava, qwen2_vl, pixtral, gemma3, ...) or give a template that writes the image token")
+
+
 def vision_trains(cfg) -> bool:
     """Whether the vision tower may get gradients: full fine-tuning, or LoRA on every Linear (lora_target_linear),
     unless freeze_mm_modules."""
@@ -207,7 +226,7 @@ def check_imageless(cfg, rows, dp: int) -> None:
     if missing:
         raise ConfigError(f"{missing} of {len(rows)} multimodal rows have no image, and the vision tower trains over "
                           f"{dp} data-parallel ranks: a micro-batch without an image leaves it without gradients on "
-                          "its rank while other ranks have them, which the sharded/replicated gradient reduction cannot "
-                          "pair; set freeze_mm_modules: true (train the language model), use adapter: lora on the "
-                          "language model's layers (lora_target_modules), give every row an image, or use "
+                          "its rank while other ranks have them, which the sharded/replicated gradient reduction "
+                          "cannot pair; set freeze_mm_modules: true (train the language model), use adapter: lora on "
+                          "the language model's layers (lora_target_modules), give every row an image, or use "
                           "tensor_parallel_size instead of data parallelism")
