@@ -219,7 +219,7 @@ def _run_train(job: TrainJob) -> dict:
             from .data.mm_collate import MultimodalCollator
             from .data.mm_rows import load_prepared_processor
 
-            collator = MultimodalCollator(*load_prepared_processor(job.prepared))
+            collator = MultimodalCollator(*load_prepared_processor(job.prepared, t.trust_remote_code))
             parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
         trainer = Trainer(args=TrainingArguments(**job.trainer_args), data_collator=collator, **parts)
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer

@@ -181,7 +181,7 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     return str(out), how, lines, len(train), len(evals) if evals is not None else 0
 
 
-def load_prepared_processor(path: str):
+def load_prepared_processor(path: str, trust_remote_code: bool | None = None):
     """(processor, MMSettings) that prepare_multimodal saved: what each rank reads."""
     from transformers import AutoProcessor
 
@@ -189,7 +189,8 @@ def load_prepared_processor(path: str):
 
     root = Path(path) / "processor"
     settings = MMSettings(**json.loads((root / SETTINGS_FILE).read_text()))
-    return AutoProcessor.from_pretrained(str(root)), settings
+    extra = {} if trust_remote_code is None else {"trust_remote_code": trust_remote_code}
+    return AutoProcessor.from_pretrained(str(root), **extra), settings
 
 
 def check_rendering(processor, settings, rows) -> None:
