@@ -43,7 +43,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions, Multimodal
     """Config attributes to override when the model loads (Axolotl's model_config, e.g. {output_router_logits:
     true}: MoE models add their router's auxiliary loss). Default none."""
     model_type: str | None = None
-    """Axolotl's model class name; any *ForCausalLM (the checkpoint's own class is loaded)."""
+    """Axolotl's model class: *ForCausalLM, or an image-text one with processor_type (the checkpoint's own loads)."""
     tokenizer_type: str | None = None
     """Axolotl's tokenizer class name; the tokenizer is loaded with AutoTokenizer."""
     trust_remote_code: bool | None = None
