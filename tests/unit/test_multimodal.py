@@ -254,3 +254,59 @@ def test_a_template_that_drops_images_is_refused_before_the_ranks(processors, im
         check_rendering(processors["llava"], MMSettings(), rows)
     template, name = template_for("llava", None, None)
     check_rendering(processors["llava"], MMSettings(template=template, name=name), rows)
+
+
+
+_AXOLOTL_LABELS = """
+import json, sys
+import torch
+from transformers import AutoProcessor
+from axolotl.processing_strategies import get_processing_strategy
+out = []
+for spec in json.loads(sys.argv[1]):
+    processor = AutoProcessor.from_pretrained(spec["dir"])
+    strategy = get_processing_strategy(processor, None, spec["template"], **spec["kw"])
+    out.append(strategy.process_labels(torch.tensor(spec["ids"])).tolist())
+from axolotl.utils.chat_templates import get_chat_template
+from transformers.utils.chat_template_utils import _compile_jinja_template
+conversations = json.loads(sys.argv[2])
+renders = {name: [_compile_jinja_template(get_chat_template(name)).render(messages=c, bos_token="<s>", eos_token="</s>")
+                  for c in conversations] for name in ("llava", "qwen2_vl", "pixtral")}
+print(json.dumps([out, renders]))
+"""
+_CASES = [("gemma3", {}), ("gemma3", {"train_on_eos": "all"}),
+          ("gemma3", {"train_on_eos": "last", "roles_to_train": ["user", "assistant"]}),
+          ("gemma3", {"train_on_inputs": True}), ("llava", {})]
+
+
+def test_labels_and_templates_equal_axolotls(processors, images, tmp_path):
+    """Our masks on a batch equal those of Axolotl 0.19's own strategy (get_processing_strategy(...).process_labels)
+    run in its venv on the same input_ids with the same saved processor, and our llava / qwen2_vl / pixtral
+    templates render conversations as its own template files do (one venv call for every case)."""
+    from jinja2 import Template
+
+    from nd_parallel.cli.train.data.mm_templates import IMAGE_MARKS, IMAGES_FIRST, flatten
+    from tests.unit.axolotl_venv import run_in_axolotl
+
+    turns = [{"role": "user", "content": [{"type": "image", "path": str(images[0])}, {"type": "text", "text": "what"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "a dog"}]},
+             {"role": "user", "content": [{"type": "text", "text": "more"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "two"}]}]
+    specs, ours = [], []
+    for family, kw in _CASES:
+        template, name = template_for(family, None, None)
+        collator = MultimodalCollator(processors[family], MMSettings(template=template, name=name, **kw))
+        batch = collator([{"mm": json.dumps({"messages": turns})}, {"mm": json.dumps({"messages": turns[:2]})}])
+        processors[family].save_pretrained(tmp_path / family)
+        specs.append({"dir": str(tmp_path / family), "template": family, "kw": kw, "ids": batch["input_ids"].tolist()})
+        ours.append(batch["labels"].tolist())
+    text = [{"type": "text", "text": "be brief"}]
+    conversations = [[{**t, "content": [{"type": "image"} if "path" in i else i for i in t["content"]]} for t in turns],
+                     [{"role": "system", "content": text}, *turns[2:]]]
+    theirs, renders = run_in_axolotl("-c", _AXOLOTL_LABELS, json.dumps(specs), json.dumps(conversations))
+    for case, a, b in zip(_CASES, ours, theirs):
+        assert a == b, case
+    for name, rendered in renders.items():
+        template = Template(template_for(name, None, None)[0])
+        assert [template.render(messages=flatten(c, IMAGE_MARKS[name], name in IMAGES_FIRST), bos_token="<s>",
+                                eos_token="</s>") for c in conversations] == rendered, name
