@@ -253,7 +253,7 @@ chat_template: chatml
                    "gradient_accumulation_steps = 4); keep one", "cosine_min_lr_ratio with lr_scheduler='linear'",
                    "lora_target_parameters without adapter: lora", "bfloat16=True with bf16=False",
                    "qat: group_size=32 with nvfp4",
-                   "set group_size: 16", "processor_type='AutoProcessor': multimodal",
+                   "set group_size: 16", "tokenizer_use_mistral_common=True with processor_type",
                    "chat_template='chatml' with tokenizer_use_mistral_common: mistral-common renders"):
         assert needle in message, (needle, message)
     assert "7 setting(s) cannot be used" in message, message

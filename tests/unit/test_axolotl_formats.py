@@ -129,7 +129,8 @@ def test_gemma4_unified_is_the_gemma4_template():
     from nd_parallel.cli.train.data.templates import FORMATS, jinja, template_problem
 
     assert template_problem("gemma4_unified") is None and jinja(FORMATS["gemma4_unified"]) == jinja(FORMATS["gemma4"])
-    assert "renders images/audio" in template_problem("llava")
+    assert "renders images through a processor: set processor_type" in template_problem("llava")
+    assert template_problem("llava", multimodal=True) is None
 
 
 def test_pretokenized_records_are_used_as_they_are(tmp_path, data):

@@ -27,8 +27,10 @@ def cmd_train(args) -> int:
         for note in cfg.notes if main_rank() else []:  # after build_job, which may add one
             print(f"nd-parallel train: {note}")
         if main_rank():
-            print(f"nd-parallel train: {prepared.train_rows} training / {prepared.eval_rows} evaluation rows of <= "
-                  f"{cfg.sequence_len} tokens ({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "
+            rows = (f"rows of <= {cfg.sequence_len} tokens" if not cfg.processor_type
+                    else "conversations, processed on each rank")
+            print(f"nd-parallel train: {prepared.train_rows} training / {prepared.eval_rows} evaluation {rows} "
+                  f"({prepared.tokenizer_how}{', cached' if prepared.cached else ''}) on "
                   f"{config.describe()}")
         start = time.perf_counter()
         results = run_job(job, nproc, device, tmp, args.timeout, args.max_restarts, nodes)

@@ -21,7 +21,7 @@ from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
-from .extras import AxolotlExtras, extra_refusals, extras_notes
+from .extras import AxolotlExtras, MultimodalOptions, extra_refusals, extras_notes, multimodal_refusals
 from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
@@ -29,7 +29,7 @@ from .streaming import StreamingOptions
 
 
 @dataclass(kw_only=True)
-class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
+class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions, MultimodalOptions):
     """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
 
     # --- model
@@ -43,7 +43,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     """Config attributes to override when the model loads (Axolotl's model_config, e.g. {output_router_logits:
     true}: MoE models add their router's auxiliary loss). Default none."""
     model_type: str | None = None
-    """Axolotl's model class name; any *ForCausalLM (the checkpoint's own class is loaded)."""
+    """Axolotl's model class: *ForCausalLM, or an image-text one with processor_type (the checkpoint's own loads)."""
     tokenizer_type: str | None = None
     """Axolotl's tokenizer class name; the tokenizer is loaded with AutoTokenizer."""
     trust_remote_code: bool | None = None
@@ -326,7 +326,7 @@ def _types(d: dict) -> list[str]:
             re.compile(str(pattern))
         except re.error as err:
             out.append(f"unfrozen_parameters: {pattern!r} is not a regular expression ({err}); fix it")
-    return out + [p for p in [template_problem(d.get("chat_template"))] if p]
+    return out + [p for p in [template_problem(d.get("chat_template"), bool(d.get("processor_type")))] if p]
 
 
 def _mapped(data: dict, plugin_keys: dict) -> Mapped:
@@ -372,7 +372,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         refused.append(f"layout: auto chooses the layout, but the file also sets "
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
-    refused += layout_refused + rl_refusals(d, layout)
+    refused += layout_refused + rl_refusals(d, layout) + multimodal_refusals(d, layout)
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
     specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}

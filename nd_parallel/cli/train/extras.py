@@ -19,6 +19,7 @@ from nd_parallel.config import ConfigError
 
 from . import prequantized, restarts
 from .data import mistral
+from .multimodal import MultimodalOptions, multimodal_refusals  # noqa: F401 - re-exported for config.py
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
 from .streaming import streaming_notes, streaming_refusals
 

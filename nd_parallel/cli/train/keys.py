@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .equivalents import offload_setting
+from .multimodal import is_multimodal_class
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
               "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "muon")
@@ -69,8 +70,6 @@ REFUSED = {
     "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
                             "only; " + _NOT_SFT,
     "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
-    "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
-                      "train the text model with a text dataset (chat_template, alpaca, completion)",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
@@ -174,7 +173,8 @@ def value_refusals(d: dict) -> list[str]:
         if d.get(key) not in (None, *SAVE_STRATEGIES):
             out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
     model_type = d.get("model_type")
-    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
+    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM") \
+            and not is_multimodal_class(model_type):  # multimodal.py: a vision-language class needs a processor
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
 

@@ -32,7 +32,6 @@ from .job import DemoJob, Job, TrainJob, read_jobs
 # ----------------------------------------------------------------------------------------------- train
 def _model(t: TrainConfig, tokenizer):
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM
 
     set_seed(t.seed)  # the model and adapter init are the same on every rank and in one process
     extra = {} if t.trust_remote_code is None else {"trust_remote_code": t.trust_remote_code}
@@ -52,7 +51,7 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(prequantized.load_kwargs(t))  # Mxfp4Config(dequantize=True): MXFP4 experts read as fp32 weights
     with _experts_quantized(t) as quantized, objective.llama4_experts(t) as split_after:  # Llama 4's expert Linears
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
-                 else AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
+                 else _auto_class(t).from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     split_after(model)
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
@@ -69,7 +68,7 @@ def _model(t: TrainConfig, tokenizer):
     if t.adapter not in ("lora", "qlora"):
         if t.unfrozen_parameters:
             freeze_except(model, t.unfrozen_parameters)
-        return model
+        return freeze_mm_modules(model) if t.freeze_mm_modules else model
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from nd_parallel.models.peft import expert_lora_without_dropout, linear_target_names
@@ -90,6 +89,24 @@ def _model(t: TrainConfig, tokenizer):
         print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
               "other LoRA layers use it", flush=True)
+    return freeze_mm_modules(model) if t.freeze_mm_modules else model
+
+
+def _auto_class(t: TrainConfig):
+    """AutoModelForCausalLM, or AutoModelForImageTextToText with a processor (multimodal.py): the checkpoint's own
+    class either way (Axolotl's model_type names it)."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if t.processor_type else transformers.AutoModelForCausalLM
+
+
+def freeze_mm_modules(model):
+    """Axolotl's freeze_mm_modules: the vision/audio encoders and projector (multimodal.MM_MODULES) stop training."""
+    from .multimodal import MM_MODULES
+
+    for name, param in model.named_parameters():
+        if any(part in MM_MODULES for part in name.split(".")):
+            param.requires_grad = False
     return model
 
 
@@ -97,7 +114,7 @@ def _from_config(t: TrainConfig, extra: dict):
     """Axolotl's reinit_weights: the checkpoint's config (base_model_config, model_config applied) built with the
     model's own _init_weights under the run's seed (set in _model before), the same weights on every rank and in one
     process, in fp32. No weight file is opened (nor the memory-efficient path's lazy checkpoint: there is none)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     trust = {k: extra.pop(k) for k in ("trust_remote_code",) if k in extra}
     revision = {k: extra.pop(k) for k in ("revision",) if k in extra}
@@ -105,7 +122,7 @@ def _from_config(t: TrainConfig, extra: dict):
     for key, value in (t.model_config or {}).items():  # from_pretrained would set these on the config
         setattr(config, key, extra.pop(key, value))
     kwargs = {k: extra[k] for k in ("attn_implementation", "experts_implementation") if k in extra}
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **trust, **kwargs)
+    return _auto_class(t).from_config(config, dtype=torch.float32, **trust, **kwargs)
 
 
 def freeze_except(model, patterns: list[str]) -> None:
@@ -203,8 +220,14 @@ def _run_train(job: TrainJob) -> dict:
     if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer / ORPOTrainer tokenizes and collates them (preference.py)
         trainer = preference_trainer(t, job.trainer_args, **parts)
     else:
-        trainer = Trainer(args=TrainingArguments(**job.trainer_args),
-                          data_collator=Collator(tokenizer.pad_token_id, pad_to), **parts)
+        collator = Collator(tokenizer.pad_token_id, pad_to)
+        if t.processor_type:  # images: each rank processes its own rows at collate time (data/mm_collate.py)
+            from .data.mm_collate import MultimodalCollator
+            from .data.mm_rows import load_prepared_processor
+
+            collator = MultimodalCollator(*load_prepared_processor(job.prepared, t.trust_remote_code))
+            parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
+        trainer = Trainer(args=TrainingArguments(**job.trainer_args), data_collator=collator, **parts)
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
         from .schedules import use_muon
 

@@ -133,6 +133,10 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     import datasets
 
     datasets.disable_progress_bars()
+    if cfg.processor_type:  # vision-language rows: normalised here, processed by each rank (mm_rows.py)
+        from .mm_rows import prepare_multimodal
+
+        return Prepared(*prepare_multimodal(cfg, workdir, _split, dp))
     tokenizer, how = load_tokenizer(cfg)
     check_sequence_len(cfg)
     if cfg.streaming:  # never cached: a stream (a hub dataset) is read again every run, as in Axolotl

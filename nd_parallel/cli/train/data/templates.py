@@ -8,8 +8,8 @@ prompt folded into the first user turn, plus the assistant header for ``add_gene
 ``tokenizer_default_fallback_<name>`` (the tokenizer's own, else <name>) and ``jinja`` (``chat_template_jinja``:
 a template inline, or the path of a ``.jinja`` file).
 
-Tool calls, images and reasoning blocks are not rendered: `nd-parallel train` reads text conversations (role +
-content), which is what the label masking (formats.py) trains on.
+Tool calls and reasoning blocks are not rendered. Images are: with processor_type, mm_templates.py turns each
+image item into the family's placeholder before the same templates render the turns (llava and qwen2_vl added).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class TurnFormat:
     bos: bool = False
     """Start with the tokenizer's bos_token."""
     system: str = "turn"
-    """"turn": system is a turn of its own; "first_user": prepended to the first user turn (+ "\\n\\n")."""
+    """"turn": system is a turn of its own; "first_user": prepended to the first user turn (+ "\\n\\n");
+    "last_user": prepended to a user turn that ends the conversation, else dropped (Pixtral's template)."""
     rename: dict = field(default_factory=dict)
     """Template role -> the name written in the header (Gemma writes "model" for "assistant")."""
     headers: dict = field(default_factory=dict)
@@ -92,6 +93,16 @@ FORMATS: dict[str, TurnFormat] = {
 FORMATS["gemma4_unified"] = FORMATS["gemma4"]
 # Axolotl names whose templates render images or audio through a processor: not text chat templates.
 MULTIMODAL = ("llava", "pixtral", "qwen2_vl", "llama3_2_vision")
+# Those written here (with processor_type; mm_templates.py turns image items into placeholders first): llava's
+# "ROLE: " headers (system has none) and a space after each turn, Qwen2-VL's ChatML with its default system prompt,
+# Pixtral's [INST] turns.
+MM_FORMATS = {
+    "llava": TurnFormat("{role}: ", " ", headers={"system": ""}, rename={"user": "USER", "assistant": "ASSISTANT"}),
+    "qwen2_vl": TurnFormat("<|im_start|>{role}\n", "<|im_end|>\n", default_system="You are a helpful assistant."),
+    # Pixtral: [INST]user[/INST]assistant</s>; the system prompt only before a final user turn (generation)
+    "pixtral": TurnFormat("", "", bos=True, system="last_user", headers={"user": "[INST]"},
+                          footers={"user": "[/INST]", "assistant": "{eos}"}),
+}
 
 
 def _q(text: str) -> str:
@@ -107,7 +118,7 @@ def jinja(fmt: TurnFormat) -> str:
     if fmt.bos:
         parts.append("{{ bos_token }}")
     parts.append("{% set ns = namespace(prefix='', last_user=-1) %}{% set loop_messages = messages %}")
-    if fmt.system == "first_user":
+    if fmt.system in ("first_user", "last_user"):
         parts.append("{% if messages and messages[0]['role'] == 'system' %}{% set ns.prefix = messages[0]"
                      "['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}{% endif %}")
     elif fmt.default_system is not None:
@@ -118,7 +129,8 @@ def jinja(fmt: TurnFormat) -> str:
                  "{% endif %}{% endfor %}")
     content = "(m['content'] | trim)" if fmt.trim else "m['content']"
     parts.append("{% for m in loop_messages %}{% set c = " + content + " %}"
-                 "{% if m['role'] == 'user' and ns.prefix %}{% set c = ns.prefix + c %}{% set ns.prefix = '' %}"
+                 "{% if m['role'] == 'user' and ns.prefix" + (" and loop.last" if fmt.system == "last_user" else "")
+                 + " %}{% set c = ns.prefix + c %}{% set ns.prefix = '' %}"
                  "{% endif %}")
     for i, role in enumerate(roles):
         keyword = "if" if i == 0 else "elif"
@@ -133,16 +145,22 @@ def jinja(fmt: TurnFormat) -> str:
     return "".join(parts)
 
 
-def template_problem(name) -> str | None:
-    """Why ``chat_template: name`` cannot be used (None when it can): read at the config stage."""
+def template_problem(name, multimodal: bool = False) -> str | None:
+    """Why ``chat_template: name`` cannot be used (None when it can): read at the config stage. ``multimodal``: a
+    processor renders images (processor_type), so the vision templates of mm_templates.py are known too."""
     if name in (None, "tokenizer_default", "jinja") or name in FORMATS:
         return None
     base = name.removeprefix("tokenizer_default_fallback_") if isinstance(name, str) else name
     if base in FORMATS:
         return None
     if base in MULTIMODAL:
-        return (f"chat_template={name!r} renders images/audio through a processor; nd-parallel train reads text "
-                f"conversations: use one of the text templates ({', '.join(sorted(FORMATS))})")
+        if multimodal and base in MM_FORMATS:
+            return None
+        if multimodal:
+            return (f"chat_template={name!r}: our own Jinja for it is not written yet; use chat_template: "
+                    f"tokenizer_default (the processor's own template) or one of {', '.join(sorted(MM_FORMATS))}")
+        return (f"chat_template={name!r} renders images through a processor: set processor_type: AutoProcessor "
+                f"(a vision-language checkpoint), or use one of the text templates ({', '.join(sorted(FORMATS))})")
     return (f"chat_template={name!r} is not a chat template nd-parallel train knows; use tokenizer_default, "
             f"tokenizer_default_fallback_<name>, jinja (with chat_template_jinja) or one of: "
             f"{', '.join(sorted(FORMATS))}")

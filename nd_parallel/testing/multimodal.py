@@ -1,0 +1,94 @@
+"""Tiny vision-language checkpoints and synthetic images, built locally (no hub), for the multimodal tests.
+
+``save_tiny_vlm("llava" | "gemma3", DIR)`` writes a randomly initialised model (CLIP + Llama / SigLIP + Gemma 3
+text, TINY's text sizes), our tiny BPE tokenizer with the family's image special tokens, and the family's processor
+(image processor + tokenizer + ChatML template), each saved with save_pretrained so that AutoProcessor and
+AutoModelForImageTextToText load them back as a user's checkpoint. ``write_images`` saves random-pixel PNGs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .models import TINY, make_text
+
+# The family's image tokens, added to the tokenizer as special tokens (ids above the BPE's, below 256).
+SPECIALS = {"llava": ["<image>"],
+            "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>",
+                       "<end_of_turn>"]}
+_GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+              patch_size=4)
+
+
+def _tokenizer(family: str, lines: list[str], directory: Path):
+    from transformers import AutoTokenizer
+
+    from .tokenizer import train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer(lines, vocab_size=180)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[family]})
+    tokenizer.save_pretrained(directory / "tok")
+    extra = {"extra_special_tokens": _GEMMA3_TOKENS} if family == "gemma3" else {}
+    return AutoTokenizer.from_pretrained(directory / "tok", **extra)  # Gemma 3's processor reads boi/eoi/image
+
+
+def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> Path:
+    """A tiny ``family`` checkpoint with its processor in ``directory`` (see the module docstring)."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        SiglipVisionConfig,
+    )
+
+    directory = Path(directory)
+    tokenizer = _tokenizer(family, make_text(80, seed=11), directory)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS[family]}
+    torch.manual_seed(seed)
+    text = {**TINY, "tie_word_embeddings": False}
+    if family == "llava":  # 16x16 images in 4x4 patches: 16 image tokens (CLS dropped: the "default" strategy)
+        config = LlavaConfig(vision_config=CLIPVisionConfig(**VISION, projection_dim=32),
+                             text_config=LlamaConfig(**text), image_token_id=ids["<image>"])
+        model = LlavaForConditionalGeneration(config)
+        images = CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+        processor = LlavaProcessor(images, tokenizer, patch_size=4, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, chat_template=tokenizer.chat_template)
+    elif family == "gemma3":  # 16 patches pooled to 4 image tokens, between <start_of_image> and <end_of_image>
+        config = Gemma3Config(text_config={**text, "sliding_window": 64}, vision_config=SiglipVisionConfig(**VISION),
+                              mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+                              eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])
+        model = Gemma3ForConditionalGeneration(config)
+        processor = Gemma3Processor(Gemma3ImageProcessor(size={"height": 16, "width": 16}), tokenizer,
+                                    image_seq_length=4, chat_template=tokenizer.chat_template)
+    else:
+        raise ValueError(f"no tiny vision-language model for {family!r}; use llava or gemma3")
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def write_images(directory: str | Path, n: int, seed: int = 0) -> list[Path]:
+    """``n`` PNGs of random pixels and random sizes (12..24 px a side), the same for the same seed."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        h, w = rng.randint(12, 25, size=2)
+        path = directory / f"image{i}.png"
+        Image.fromarray(rng.randint(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
