@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .classification import head_kind
 from .router_loss import RouterLoss
 
 IGNORE_INDEX = -100
@@ -108,7 +109,8 @@ class GlobalTokenLoss:
         self.ignore_index = ignore_index
         self.signature = inspect.signature(model.forward)
         self.native = _accepts_num_items(model)
-        self.unshifted = own_loss_unshifted(model)  # the model's own mean counts every label token
+        # the model's own mean counts every label token; a token-classification head's labels are not shifted
+        self.unshifted = own_loss_unshifted(model) or head_kind(model) == "token"
         self._local = None
         self._total = None
         self._mask = None

@@ -65,11 +65,6 @@ REFUSED = {
     "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
             "only; " + _NOT_SFT,
-    "reward_model": "reward models train a classification head: nd-parallel train trains causal LMs only; "
-                    + _NOT_SFT,
-    "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
-                            "only; " + _NOT_SFT,
-    "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "processor_type": "multimodal processors (images, audio) are not supported: nd-parallel train reads text; "
                       "train the text model with a text dataset (chat_template, alpaca, completion)",
     "llama4_linearized_experts": "Axolotl's rewrite of Llama 4's fused experts into nn.Linear layers (for QLoRA) "
@@ -177,7 +172,8 @@ def value_refusals(d: dict) -> list[str]:
         if d.get(key) not in (None, *SAVE_STRATEGIES):
             out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
     model_type = d.get("model_type")
-    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM"):
+    causal = model_type in (None, "AutoModelForCausalLM") or str(model_type).endswith("ForCausalLM")
+    if not causal and not (d.get("reward_model") or d.get("process_reward_model")):  # reward.py checks those
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
 

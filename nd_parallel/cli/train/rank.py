@@ -32,7 +32,8 @@ from .job import DemoJob, Job, TrainJob, read_jobs
 # ----------------------------------------------------------------------------------------------- train
 def _model(t: TrainConfig, tokenizer):
     from accelerate.utils import set_seed
-    from transformers import AutoModelForCausalLM
+
+    from .reward import auto_class, lora_task
 
     set_seed(t.seed)  # the model and adapter init are the same on every rank and in one process
     extra = {} if t.trust_remote_code is None else {"trust_remote_code": t.trust_remote_code}
@@ -42,6 +43,7 @@ def _model(t: TrainConfig, tokenizer):
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
+    auto = auto_class(t, extra)  # AutoModelForCausalLM, or a reward model's classification head (reward.py)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = attention_for(t.base_model, t.attn_implementation, extra)
         if extra["attn_implementation"] != t.attn_implementation and os.environ.get("RANK", "0") == "0":
@@ -51,7 +53,7 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(prequantized.load_kwargs(t))  # Mxfp4Config(dequantize=True): MXFP4 experts read as fp32 weights
     with _experts_quantized(t) as quantized:  # quantize_moe_experts: each expert tensor quantized as it is read
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
-                 else AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
+                 else auto.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
@@ -79,7 +81,7 @@ def _model(t: TrainConfig, tokenizer):
         else:
             model = get_peft_model(model, LoraConfig(
                 r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-                modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t)))
+                modules_to_save=t.lora_modules_to_save, task_type=lora_task(t), **lora_kwargs(t)))
     if undropped and os.environ.get("RANK", "0") == "0":  # Axolotl warns the same
         print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
@@ -184,6 +186,7 @@ def _run_train(job: TrainJob) -> dict:
     from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, fake_quant_after, user_callbacks, watchdog
     from .data import Collator, load_prepared
     from .preference import preference_trainer
+    from .reward import reward_kind, reward_trainer
 
     t = job.train
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -196,6 +199,8 @@ def _run_train(job: TrainJob) -> dict:
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer tokenizes and collates them itself (preference.py)
         trainer = preference_trainer(t, job.trainer_args, **parts)
+    elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
+        trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
         trainer = Trainer(args=TrainingArguments(**job.trainer_args),
                           data_collator=Collator(tokenizer.pad_token_id, pad_to), **parts)

@@ -76,6 +76,8 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
                  desc=f"tokenizing {spec.path}")
     if spec.type == "pretraining":
         ds = ds.map(chunk_fn(cfg.sequence_len), batched=True, desc="cutting into sequence_len blocks")
+    if spec.type == "bradley_terry.chat_template":  # pairs, cut to sequence_len: Axolotl drops none of them
+        return ds, f"{where}: {len(raw)} records -> {len(ds)} pairs ({spec.type})"
     shortest = cfg.min_sample_len or 2  # Axolotl's min_sample_len (default 2)
     kept = ds.filter(lambda row: shortest <= len(row["input_ids"]) <= cfg.sequence_len,
                      desc="dropping long and short samples")

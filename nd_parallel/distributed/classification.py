@@ -1,0 +1,59 @@
+"""Classification heads on a Hugging Face decoder: reward models (``...ForSequenceClassification``: one score per
+sequence, pooled at its last non-pad token) and process reward models (``...ForTokenClassification``: a label per
+token, cross-entropy on *unshifted* labels).
+
+Under FSDP2 / HSDP / DDP / TP they train as any model: the head is a Linear outside the model's tensor-parallel plan
+(replicated under TP, sharded by FSDP with the root group) and the decoder is laid out as for the causal LM. Two
+dimensions cannot give one process's numbers, and are refused here, before any collective:
+
+- **Pipeline parallelism.** The last stage receives hidden states only, not ``input_ids``, from which the sequence
+  head finds the last non-pad token to pool; and the pipeline's loss is the causal LM's shifted cross-entropy.
+- **Context parallelism.** Each cp rank holds 2 of 2·cp chunks of the sequence: the token the sequence head pools
+  is on one rank only, and CP shifts the labels before cutting them (the causal-LM convention), where a
+  token-classification loss reads them unshifted.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from nd_parallel.config import ParallelismConfig
+from nd_parallel.models.peft import base_of
+
+_USE = "use dp_shard_size, dp_replicate_size or tp_size"
+
+
+def head_kind(model: nn.Module) -> str | None:
+    """"sequence" (reward model), "token" (process reward model) or None (any other model), from its class, as
+    transformers names its heads."""
+    name = type(base_of(model)).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "sequence"
+    if name.endswith("ForTokenClassification"):
+        return "token"
+    return None
+
+
+def layout_problem(kind: str, config: ParallelismConfig) -> str | None:
+    """"pp_size=N: why; fix" (or cp_size) where ``config`` cannot train a ``kind`` head (module docstring)."""
+    if config.pp_size > 1:
+        why = ("its head pools each sequence's last non-pad token, found from input_ids, which the last pipeline "
+               "stage does not receive" if kind == "sequence" else
+               "the pipeline's last stage computes the causal LM's shifted cross-entropy, not the token-"
+               "classification loss on unshifted labels")
+        return f"pp_size={config.pp_size}: {why}; {_USE}"
+    if config.cp_size > 1:
+        why = ("each cp rank holds a share of the sequence, so the last non-pad token its head pools is on one "
+               "rank only" if kind == "sequence" else
+               "CP shifts the labels before cutting the sequence, as a causal LM's loss reads them, where a "
+               "token-classification loss reads them unshifted")
+        return f"cp_size={config.cp_size}: {why}; {_USE}"
+    return None
+
+
+def check_classification_layout(model: nn.Module, config: ParallelismConfig) -> None:
+    """Refuse pipeline and context parallelism for a classification head (module docstring), naming the fix."""
+    kind = head_kind(model)
+    problem = layout_problem(kind, config) if kind is not None else None
+    if problem:
+        raise NotImplementedError(f"{type(base_of(model)).__name__} (a {kind}-classification head) under {problem}")
