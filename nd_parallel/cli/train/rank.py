@@ -75,13 +75,14 @@ def _model(t: TrainConfig, tokenizer):
 
     # Axolotl's list of Linear names, not peft's "all-linear" (models/peft.py says how they differ on MoE models)
     targets = linear_target_names(model, t.lora_target_modules) if t.lora_target_linear else t.lora_target_modules
+    task, targets = lora_task(t, targets)
     with expert_lora_without_dropout() as undropped:
         if t.lora_model_dir:
             model = PeftModel.from_pretrained(model, t.lora_model_dir, is_trainable=True)
         else:
             model = get_peft_model(model, LoraConfig(
                 r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-                modules_to_save=t.lora_modules_to_save, task_type=lora_task(t), **lora_kwargs(t)))
+                modules_to_save=t.lora_modules_to_save, task_type=task, **lora_kwargs(t)))
     if undropped and os.environ.get("RANK", "0") == "0":  # Axolotl warns the same
         print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "

@@ -154,10 +154,16 @@ def auto_class(t, extra: dict):
     return getattr(transformers, t.model_type or CLASSES[kind])
 
 
-def lora_task(t) -> str:
-    """peft's task type (Axolotl's _get_peft_task_type): a classification task keeps the head trainable (peft adds
-    ``score`` / ``classifier`` to modules_to_save)."""
-    return {"sequence": "SEQ_CLS", "token": "TOKEN_CLS", None: "CAUSAL_LM"}[reward_kind(t)]
+def lora_task(t, targets):
+    """(peft's task type, the LoRA targets) (Axolotl's _get_peft_task_type): a classification task keeps the head
+    trainable in full (peft adds ``score`` / ``classifier`` to modules_to_save), so the head is left out of the
+    targets (lora_target_linear lists every Linear but lm_head; peft refuses a module both adapted and saved)."""
+    kind = reward_kind(t)
+    if kind is None:
+        return "CAUSAL_LM", targets
+    if isinstance(targets, list):
+        targets = [name for name in targets if name not in ("score", "classifier")]
+    return ("SEQ_CLS" if kind == "sequence" else "TOKEN_CLS"), targets
 
 
 def reward_trainer(t, trainer_args: dict, **kwargs):
