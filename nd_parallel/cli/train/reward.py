@@ -179,7 +179,7 @@ def reward_trainer(t, trainer_args: dict, **kwargs):
     from transformers import Trainer, TrainingArguments
     from trl.trainer.utils import disable_dropout_in_model
 
-    from .data import Collator
+    from .data.collate import Collator
 
     disable_dropout_in_model(kwargs["model"])  # PRMConfig's disable_dropout (default true)
     token_mean_loss(kwargs["model"])

@@ -28,7 +28,8 @@ from .formats import chunk_fn, tokenize_fn
 from .kto import kto_fn
 from .packing import pack_fn
 from .preference import preference_fn
-from .sources import DatasetSpec, load_source
+from .reward import reward_fn
+from .sources import REWARD_TYPES, DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer
 
 __all__ = ["Collator", "DatasetSpec", "Prepared", "build_samples", "collate", "load_prepared", "prepare"]
@@ -69,6 +70,8 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
     raw, where = load_source(spec, cache)
     if spec.type == "chat_template" and mistral.is_mistral(tokenizer):  # mistral-common renders the conversation
         fn = mistral.chat_fn(spec, tokenizer, where, train_on_inputs=cfg.train_on_inputs)
+    elif spec.type in REWARD_TYPES:  # reward_model / process_reward_model (reward.py)
+        fn = reward_fn(spec, tokenizer, where, cfg.sequence_len)
     else:
         fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
                          eot_tokens=cfg.eot_tokens)

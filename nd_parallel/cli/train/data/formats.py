@@ -18,7 +18,7 @@ from nd_parallel.config import ConfigError
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
 from . import instructions
-from .sources import REWARD_TYPES, DatasetSpec
+from .sources import DatasetSpec
 
 
 def _field(record: dict, key: str, where: str, i: int, fix: str):
@@ -42,10 +42,6 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
 def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, train_on_inputs: bool,
                 eot_tokens: list[str] | None = None):
     """A batched `map` function (with_indices=True) for `spec.type`."""
-    if spec.type in REWARD_TYPES:  # reward.py imports this module: its functions are looked up here
-        from .reward import reward_fn
-
-        return reward_fn(spec, tokenizer, where, sequence_len)
     if spec.type in ("completion", "pretraining"):
         fix = f"set 'field:' to the column holding the text (now {spec.text_field!r})"
 
