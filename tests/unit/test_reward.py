@@ -203,3 +203,27 @@ def test_reward_records_tokenize_as_axolotl(tokenizer_dir, tmp_path):
         spec = DatasetSpec(path="-", type="stepwise_supervised", **setting)
         out = _rows(stepwise_fn(spec, tok, "t", 64), steps)
         assert [list(r) for r in zip(out["input_ids"], out["labels"])] == theirs["steps"][str(i)], setting
+
+
+def test_global_token_loss_counts_a_token_heads_first_label(tmp_path):
+    """distributed/loss.GlobalTokenLoss on a token-classification head (evaluation: no count given) counts the
+    unshifted labels, position 0 included, so the loss is the model's own mean (a causal LM's count skips it)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForTokenClassification
+
+    from nd_parallel.cli.train.reward import token_mean_loss
+    from nd_parallel.distributed.loss import GlobalTokenLoss
+    from nd_parallel.testing.models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForTokenClassification.from_config(tiny_config("llama", num_labels=2)).eval()
+    token_mean_loss(model)
+    ids, labels = torch.randint(4, 100, (1, 6)), torch.tensor([[1, -100, 0, -100, -100, 1]])
+    mean = model(input_ids=ids, labels=labels).loss
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        hooks = GlobalTokenLoss(model, dist.group.WORLD)
+        assert torch.allclose(model(input_ids=ids, labels=labels).loss, mean)
+        hooks.remove()
+    finally:
+        dist.destroy_process_group()
