@@ -5,8 +5,8 @@ process_reward_model, TRL 1.16 having no PRMTrainer) with NDParallelCallback mat
 One launch of 2 ranks runs every row (preference_worker.py, as test_dpo.py / test_kto.py): the reward model under
 FSDP2, DDP and TP2 (the score head replicated), full fine-tuning and LoRA (peft's SEQ_CLS task: the head trained in
 full through modules_to_save), with center_rewards_coefficient 0.01 (Axolotl's qwen3 example); the process reward
-model under FSDP2, full and LoRA (TOKEN_CLS), and TP2, on stepwise_supervised records tokenized by nd-parallel train's own
-function (data/reward.py). Same data, seed, gradient accumulation (2) and linear schedule; the one-process trainer's
+model under FSDP2, full and LoRA (TOKEN_CLS), and TP2, on stepwise_supervised records tokenized by nd-parallel
+train's own function (data/reward.py). Same data, seed, gradient accumulation (2) and linear schedule; the one-process trainer's
 per-device batch is the layout's global batch.
 
 Compared: every logged loss and grad norm (rtol 1e-5: fp32, only the summation order differs), the reward model's
