@@ -11,6 +11,11 @@ dimensions cannot give one process's numbers, and are refused here, before any c
 - **Context parallelism.** Each cp rank holds 2 of 2·cp chunks of the sequence: the token the sequence head pools
   is on one rank only, and CP shifts the labels before cutting them (the causal-LM convention), where a
   token-classification loss reads them unshifted.
+
+A sequence head called *with labels* (a plain Trainer's classification) returns its rank's mean over sequences,
+which transformers computes without the global count: ``loss.GlobalTokenLoss`` refuses that at its first labelled
+forward under dp or cp (TRL's RewardTrainer passes no labels; its pairwise loss is made global in plugins/trainer).
+A token head's loss is the global-token mean, its labels counted unshifted.
 """
 
 from __future__ import annotations

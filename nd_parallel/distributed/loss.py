@@ -110,7 +110,8 @@ class GlobalTokenLoss:
         self.signature = inspect.signature(model.forward)
         self.native = _accepts_num_items(model)
         # the model's own mean counts every label token; a token-classification head's labels are not shifted
-        self.unshifted = own_loss_unshifted(model) or head_kind(model) == "token"
+        self.kind = head_kind(model)
+        self.unshifted = own_loss_unshifted(model) or self.kind == "token"
         self._local = None
         self._total = None
         self._mask = None
@@ -131,6 +132,11 @@ class GlobalTokenLoss:
         if labels is None:
             self._total = None
             return None
+        if self.kind == "sequence":  # TRL's RewardTrainer passes none: its loss is made global in plugins/trainer
+            raise NotImplementedError(
+                f"{type(module).__name__} called with labels under data or context parallelism: its loss is a mean "
+                "over this rank's sequences, which transformers computes without the global count; train it with "
+                "TRL's RewardTrainer (pairs), or with one process")
         self._mask = kwargs.get("attention_mask")
         given = kwargs.get("num_items_in_batch")
         shifted = kwargs.get("shift_labels")  # context parallelism shifts labels before cutting the sequence

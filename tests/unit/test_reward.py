@@ -227,3 +227,24 @@ def test_global_token_loss_counts_a_token_heads_first_label(tmp_path):
         hooks.remove()
     finally:
         dist.destroy_process_group()
+
+
+def test_sequence_labels_under_a_group_are_refused_not_averaged_wrongly(tmp_path):
+    """A sequence-classification head given labels (a plain Trainer's classification) would return this rank's mean,
+    which summed over the dp ranks is not the global one: refused at its first labelled forward."""
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    from nd_parallel.distributed.loss import GlobalTokenLoss
+    from nd_parallel.testing.models import tiny_config
+
+    model = AutoModelForSequenceClassification.from_config(tiny_config("llama", num_labels=1, pad_token_id=0))
+    ids = torch.randint(4, 100, (2, 5))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        GlobalTokenLoss(model, dist.group.WORLD)
+        assert model(input_ids=ids).logits.shape == (2, 1)  # no labels (RewardTrainer): untouched
+        with pytest.raises(NotImplementedError, match="with labels under data or context parallelism"):
+            model(input_ids=ids, labels=torch.zeros(2))
+    finally:
+        dist.destroy_process_group()
