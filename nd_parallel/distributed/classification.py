@@ -3,14 +3,14 @@ sequence, pooled at its last non-pad token) and process reward models (``...ForT
 token, cross-entropy on *unshifted* labels).
 
 Under FSDP2 / HSDP / DDP / TP they train as any model: the head is a Linear outside the model's tensor-parallel plan
-(replicated under TP, sharded by FSDP with the root group) and the decoder is laid out as for the causal LM. Two
-dimensions cannot give one process's numbers, and are refused here, before any collective:
+(replicated under TP, sharded by FSDP with the root group) and the decoder is laid out as for the causal LM. Under
+CP a sequence head's pooled token lives on one rank: context_parallel/pooled_head.py gathers it (transformers'
+``score`` head only). Refused here, before any collective:
 
 - **Pipeline parallelism.** The last stage receives hidden states only, not ``input_ids``, from which the sequence
   head finds the last non-pad token to pool; and the pipeline's loss is the causal LM's shifted cross-entropy.
-- **Context parallelism.** Each cp rank holds 2 of 2·cp chunks of the sequence: the token the sequence head pools
-  is on one rank only, and CP shifts the labels before cutting them (the causal-LM convention), where a
-  token-classification loss reads them unshifted.
+- **Context parallelism for a token head.** CP shifts the labels before cutting them (the causal-LM convention),
+  where a token-classification loss reads them unshifted; and a sequence head other than ``score``.
 
 A sequence head called *with labels* (a plain Trainer's classification) returns its rank's mean over sequences,
 which transformers computes without the global count: ``loss.GlobalTokenLoss`` refuses that at its first labelled
@@ -47,10 +47,8 @@ def layout_problem(kind: str, config: ParallelismConfig) -> str | None:
                "the pipeline's last stage computes the causal LM's shifted cross-entropy, not the token-"
                "classification loss on unshifted labels")
         return f"pp_size={config.pp_size}: {why}; {_USE}"
-    if config.cp_size > 1:
-        why = ("each cp rank holds a share of the sequence, so the last non-pad token its head pools is on one "
-               "rank only" if kind == "sequence" else
-               "CP shifts the labels before cutting the sequence, as a causal LM's loss reads them, where a "
+    if config.cp_size > 1 and kind == "token":
+        why = ("CP shifts the labels before cutting the sequence, as a causal LM's loss reads them, where a "
                "token-classification loss reads them unshifted")
         return f"cp_size={config.cp_size}: {why}; {_USE}"
     return None
@@ -60,5 +58,9 @@ def check_classification_layout(model: nn.Module, config: ParallelismConfig) -> 
     """Refuse pipeline and context parallelism for a classification head (module docstring), naming the fix."""
     kind = head_kind(model)
     problem = layout_problem(kind, config) if kind is not None else None
+    if problem is None and kind == "sequence" and config.cp_size > 1 and not isinstance(getattr(
+            base_of(model), "score", None), nn.Module):  # context_parallel/pooled_head.py hooks transformers' head
+        problem = (f"cp_size={config.cp_size}: its head is not transformers' `score` module, which context "
+                   f"parallelism gathers and pools over the whole sequence; {_USE}")
     if problem:
         raise NotImplementedError(f"{type(base_of(model)).__name__} (a {kind}-classification head) under {problem}")

@@ -1,4 +1,4 @@
-"""TRL's ``RewardTrainer`` (1.16) under FSDP2 / HSDP / DDP / TP: its loss the mean over the global batch's pairs.
+"""TRL's ``RewardTrainer`` (1.16) under FSDP2 / HSDP / DDP / TP / CP: its loss the mean over the global batch's pairs.
 
 RewardTrainer scores each sequence with a sequence-classification model (one logit, pooled at the last non-pad
 token) and its loss is the mean over this rank's pairs of ``-logsigmoid(r_chosen - r_rejected [- margin])``, plus
@@ -14,8 +14,10 @@ computes the same gradient from the same whole hidden states), sharded by FSDP w
 A process reward model (Axolotl's ``process_reward_model``) is a token-classification model trained by the
 Trainer's own loss: the global-token mean (``distributed/loss.py``, labels not shifted), nothing to turn here.
 
-Refused before any collective (``distributed/classification.py``, for both kinds of head): pipeline and context
-parallelism, whose last stage / sequence shard does not hold the token the head pools, or shift the labels.
+Under CP every rank scores the whole sequence's pooled token (``context_parallel/pooled_head.py`` gathers it from the
+rank that holds it) and computes the same loss, backpropagating its own tokens' share. Refused before any collective
+(``distributed/classification.py``): pipeline parallelism, whose last stage does not get the ``input_ids`` the head
+pools by; CP for a token head (it shifts the labels).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Reward models in `nd-parallel train`, in one process (no ranks): Axolotl's reward_model / process_reward_model
 keys with its defaults, the records' tokens and labels (the same as Axolotl 0.19's own strategies when its venv is
-there, and written out by hand for the stepwise labels), the refusals with their fix (pipeline and context
-parallelism in the parent and before any collective), and the token-classification loss's global-token form."""
+there, and written out by hand for the stepwise labels), the refusals with their fix (pipeline parallelism, and
+context parallelism for the token head, in the parent and before any collective), and the token-classification
+loss's global-token form."""
 
 import json
 from pathlib import Path
@@ -43,6 +44,7 @@ def test_axolotl_defaults_for_the_two_kinds(tmp_path):
     spec = prm.datasets[0]
     assert (spec.step_separator, spec.max_completion_length, spec.train_on_last_step_only) == (" ;; ", 7, True)
     assert not _load(tmp_path, RM + "pad_to_sequence_len: false\n").pad_to_sequence_len  # an explicit false stays
+    assert _load(tmp_path, RM + "context_parallel_size: 2\n").parallel.cp_size == 2  # pooled_head.py
 
 
 def test_model_class_and_labels_follow_axolotl(tmp_path):
@@ -65,7 +67,6 @@ def test_model_class_and_labels_follow_axolotl(tmp_path):
 
 @pytest.mark.parametrize("extra,needle", [
     ("pipeline_parallel_size: 2\n", "reward_model with pp_size=2: its head pools each sequence's last non-pad token"),
-    ("context_parallel_size: 2\n", "reward_model with cp_size=2: each cp rank holds a share of the sequence"),
     ("process_reward_model: true\n", "reward_model and process_reward_model are both set"),
     ("rl: dpo\n", "rl='dpo' with reward_model: a run trains a policy or a reward model"),
     ("num_labels: 2\n", "num_labels=2 with reward_model: RewardTrainer scores each sequence with one logit"),
@@ -121,9 +122,14 @@ def test_classification_heads_are_refused_under_pp_and_cp_before_any_collective(
     assert (head_kind(rm), head_kind(prm)) == ("sequence", "token")
     for model in (rm, prm):
         check_classification_layout(model, ParallelismConfig(dp_shard_size=2, tp_size=2))  # allowed
-        for sizes in ({"pp_size": 2}, {"cp_size": 2}):
-            with pytest.raises(NotImplementedError, match=f"{next(iter(sizes))}=2"):
-                check_classification_layout(model, ParallelismConfig(**sizes))
+        with pytest.raises(NotImplementedError, match="pp_size=2"):
+            check_classification_layout(model, ParallelismConfig(pp_size=2))
+    check_classification_layout(rm, ParallelismConfig(cp_size=2))  # its pooled token gathered (pooled_head.py)
+    with pytest.raises(NotImplementedError, match="cp_size=2: CP shifts the labels"):
+        check_classification_layout(prm, ParallelismConfig(cp_size=2))
+    rm.score = None  # a head elsewhere: CP's pooling hooks transformers' `score`
+    with pytest.raises(NotImplementedError, match="cp_size=2: its head is not transformers' `score` module"):
+        check_classification_layout(rm, ParallelismConfig(cp_size=2))
 
 
 def test_token_mean_loss_is_the_sum_over_the_given_count():

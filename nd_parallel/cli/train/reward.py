@@ -18,9 +18,10 @@ Axolotl's meaning of the keys: ``num_labels`` defaults to 1 (reward model) / 2 (
 ``*ForTokenClassification`` class of transformers; ``cls_model_config`` names the transformers config class the
 checkpoint's config is read with; ``pad_to_sequence_len`` defaults to true for a reward model; ``sequence_len``
 cuts each sequence (``max_length``); the dataset keys ``step_separator``, ``max_completion_length`` and
-``train_on_last_step_only`` shape the PRM's labels. Refused here: pipeline and context parallelism (the head pools
-a token or reads labels that a stage / a sequence shard does not hold: distributed/classification.py), sample
-packing, ``rl``, and datasets of another type.
+``train_on_last_step_only`` shape the PRM's labels. Refused here: pipeline parallelism (the last stage does not get
+the input_ids the head pools by, and computes a causal LM's loss), context parallelism for the PRM (CP shifts the
+labels a token head reads unshifted; a reward model's pooled token is gathered: context_parallel/pooled_head.py),
+sample packing, ``rl``, and datasets of another type (distributed/classification.py).
 """
 
 from __future__ import annotations
