@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .classification import head_kind
 from .router_loss import RouterLoss
 
 IGNORE_INDEX = -100
@@ -108,7 +109,9 @@ class GlobalTokenLoss:
         self.ignore_index = ignore_index
         self.signature = inspect.signature(model.forward)
         self.native = _accepts_num_items(model)
-        self.unshifted = own_loss_unshifted(model)  # the model's own mean counts every label token
+        # the model's own mean counts every label token; a token-classification head's labels are not shifted
+        self.kind = head_kind(model)
+        self.unshifted = own_loss_unshifted(model) or self.kind == "token"
         self._local = None
         self._total = None
         self._mask = None
@@ -129,6 +132,11 @@ class GlobalTokenLoss:
         if labels is None:
             self._total = None
             return None
+        if self.kind == "sequence":  # TRL's RewardTrainer passes none: its loss is made global in plugins/trainer
+            raise NotImplementedError(
+                f"{type(module).__name__} called with labels under data or context parallelism: its loss is a mean "
+                "over this rank's sequences, which transformers computes without the global count; train it with "
+                "TRL's RewardTrainer (pairs), or with one process")
         self._mask = kwargs.get("attention_mask")
         given = kwargs.get("num_items_in_batch")
         shifted = kwargs.get("shift_labels")  # context parallelism shifts labels before cutting the sequence

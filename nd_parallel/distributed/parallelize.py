@@ -63,6 +63,7 @@ from . import (
 )
 from .activation_checkpoint import apply_activation_checkpointing
 from .chunked_loss import ChunkedLoss
+from .classification import check_classification_layout
 from .compile import apply_compile, check_backend
 from .fsdp import apply_fsdp
 from .loss import GlobalTokenLoss
@@ -105,6 +106,7 @@ def check_model(model: nn.Module, config: ParallelismConfig, device_type: str) -
     check_quantized(peft.base_of(model), config, has_adapter=peft.base_of(model) is not model)
     model = peft.base_of(model)  # a PeftModel is split as the HF model inside it
     activation_checkpoint.check_model(model, config.activation_checkpointing)
+    check_classification_layout(model, config)  # reward / process reward models: no pp, no cp
     if config.compile:
         check_backend(config.compile_backend, device_type)
     if config.pp_size > 1:

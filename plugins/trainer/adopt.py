@@ -27,7 +27,8 @@ Trainer habits still have to be turned, on this one Trainer instance:
 
 TRL's SFTTrainer computes its loss and metrics itself: sft.py turns them (check_sft_args before any collective,
 adopt_sft after the habits above); its DPOTrainer a mean over pairs: dpo.py (check_dpo_args, adopt_dpo); its
-KTOTrainer a mean over examples: kto.py; its ORPOTrainer a token mean plus a pair mean: orpo.py.
+KTOTrainer a mean over examples: kto.py; its ORPOTrainer a token mean plus a pair mean: orpo.py; its RewardTrainer a
+mean over pairs: reward.py.
 
 TrainingArguments(bf16=True) reaches nd_parallel as the Accelerator's ``mixed_precision`` (FSDP2 policy, fp32
 master weights); gradient_checkpointing=True calls the model's checkpointing switch in ``train()`` before prepare,
@@ -47,6 +48,7 @@ from nd_parallel.accelerate.accelerate_config import refuse_different_sizes
 from .dpo import adopt_dpo, check_dpo_args, is_dpo_trainer, turn_off_chunked_loss
 from .kto import adopt_kto, check_kto_args, is_kto_trainer
 from .orpo import adopt_orpo, check_orpo_args, is_orpo_trainer
+from .reward import adopt_reward, check_reward_args, is_reward_trainer
 from .sft import adopt_sft, check_sft_args, is_sft_trainer
 
 logger = logging.getLogger("nd_parallel")
@@ -115,6 +117,8 @@ def adopt(trainer, plugin, accelerator=None):
         check_kto_args(trainer, plugin.config)
     if is_orpo_trainer(trainer):
         check_orpo_args(trainer, plugin.config)
+    if is_reward_trainer(trainer):
+        check_reward_args(trainer, plugin.config)
     attached = getattr(accelerator, "nd_parallel", None)
     if attached is not None:
         refuse_different_sizes(attached.config, plugin.config, "TrainingArguments(parallelism_config=...)",
@@ -133,6 +137,8 @@ def adopt(trainer, plugin, accelerator=None):
         adopt_kto(trainer, plugin)
     if is_orpo_trainer(trainer):
         adopt_orpo(trainer, plugin)
+    if is_reward_trainer(trainer):
+        adopt_reward(trainer, plugin)
     return plugin
 
 

@@ -25,14 +25,15 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 27 of the 54 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 29 of the 56 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
            "qwen2_instruction_styles", "qwen3_moe_qlora_experts", "mistral_common_chat", "llama3_dpo_lora_fsdp2",
            "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2",
-           "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2"]
+           "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
+           "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2")  # the families TRAINED names
 
@@ -110,6 +111,12 @@ def _write_workspace(root: Path) -> None:
                                                          {"type": "text", "text": lines[i]}]},
                             {"role": "assistant", "content": lines[i + 1]}]} for i in range(0, 16, 2)]
     (data / "vision_chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in vision))
+    pairs = [{"system": "be brief" if i % 2 else "", "input": lines[i], "chosen": lines[i + 1],
+              "rejected": lines[i + 2]} for i in range(0, 90, 3)]  # reward_model: bradley_terry.chat_template
+    (data / "bradley_terry.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    steps = [{"prompt": lines[i], "completions": [lines[i + 1][:30], lines[i + 2][:30]], "labels": [True, i % 3 == 0]}
+             for i in range(0, 90, 3)]  # process_reward_model: stepwise_supervised
+    (data / "stepwise.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
 
@@ -231,3 +238,16 @@ def test_relora_run_saves_the_merged_model(runs):
     assert not (out / "adapter_config.json").exists() and not any("lora_" in k for k in after), sorted(after)[:4]
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(before[key], after[key])
+
+
+def test_reward_models_train_their_heads(runs):
+    """reward_model: the full model is saved with its trained one-output score head, and the held-out pairs are
+    evaluated; process_reward_model (LoRA): the adapter carries the two-label head in full (peft's TOKEN_CLS task
+    saves it), moved from the checkpoint's seeded init."""
+    root, jobs = runs
+    rm = Path(jobs["qwen2_reward_model_fsdp2"].train.output_dir)
+    assert saved_tensors(rm)["score.weight"].shape[0] == 1
+    assert (rm / "eval_log.jsonl").is_file()
+    prm = saved_tensors(jobs["qwen2_prm_lora_ddp"].train.output_dir)
+    heads = [v for k, v in prm.items() if "score" in k and k.endswith("weight")]
+    assert heads and all(h.shape[0] == 2 for h in heads), sorted(prm)

@@ -21,7 +21,7 @@ from . import equivalents
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
-from .extras import AxolotlExtras, MultimodalOptions, extra_refusals, extras_notes, multimodal_refusals
+from .extras import AxolotlExtras, extra_refusals, extras_notes, model_kind_refusals
 from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
 from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
@@ -29,7 +29,7 @@ from .streaming import StreamingOptions
 
 
 @dataclass(kw_only=True)
-class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions, MultimodalOptions):
+class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     """A training run read from YAML. Precedence of the layout keys: CLI > YAML > env > defaults."""
 
     # --- model
@@ -43,7 +43,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions, Multimodal
     """Config attributes to override when the model loads (Axolotl's model_config, e.g. {output_router_logits:
     true}: MoE models add their router's auxiliary loss). Default none."""
     model_type: str | None = None
-    """Axolotl's model class: *ForCausalLM, or an image-text one with processor_type (the checkpoint's own loads)."""
+    """Axolotl's model class: *ForCausalLM, an image-text one with processor_type, or reward.py's heads."""
     tokenizer_type: str | None = None
     """Axolotl's tokenizer class name; the tokenizer is loaded with AutoTokenizer."""
     trust_remote_code: bool | None = None
@@ -185,8 +185,8 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions, Multimodal
     """One line per Axolotl key mapped or falling back (attention, deepspeed, plugins, ...); reported once."""
 
 
-_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - {"parallel", "unused", "datasets", "notes", "liger",
-                                                                 "attn_implementation"}
+_NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation"}  # fields no YAML key sets
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
 # KERNEL_KEYS: fused CUDA/Triton kernels of the same computation (one line each); MAPPED: read by equivalents.py
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
                "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
@@ -372,7 +372,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         refused.append(f"layout: auto chooses the layout, but the file also sets "
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
-    refused += layout_refused + rl_refusals(d, layout) + multimodal_refusals(d, layout)
+    refused += layout_refused + rl_refusals(d, layout) + model_kind_refusals(d, layout)
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
     specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}

@@ -19,8 +19,9 @@ from nd_parallel.config import ConfigError
 
 from . import prequantized, restarts
 from .data import mistral
-from .multimodal import MultimodalOptions, multimodal_refusals  # noqa: F401 - re-exported for config.py
+from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
+from .reward import RewardOptions, reward_refusals
 from .streaming import streaming_notes, streaming_refusals
 
 # transformers' MoE experts forwards (integrations/moe.py): the same math as the per-expert loop ("eager").
@@ -28,7 +29,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass(kw_only=True)
-class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions):  # restarts.py: lisa_*, relora*, jagged_*
+class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions):  # restarts.py: lisa_*, relora*, jagged_*
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -81,6 +82,11 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions):  # restarts.py: 
     fake_quant_after_n_steps}; the Linears fake-quantized after loading (nd_parallel/models/qat.py)."""
 
 
+def model_kind_refusals(d: dict, layout) -> list[str]:
+    """The config stage's refusals for a vision-language model (multimodal.py) or a reward model (reward.py)."""
+    return multimodal_refusals(d, layout) + reward_refusals(d, layout)
+
+
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = streaming_refusals(d) + objective_refusals(d)  # streamed datasets entry; EAFT, cls_model_config
@@ -117,31 +123,11 @@ def extra_refusals(d: dict) -> list[str]:
         elif targets and d.get("lora_dropout"):  # Axolotl's rule: peft's ParamWrapper refuses dropout
             out.append(f"lora_dropout={d['lora_dropout']!r} with lora_target_parameters: LoRA on parameter tensors "
                        "cannot apply dropout (peft refuses it, and so does Axolotl); set lora_dropout: 0")
-    out += _moe_quantization(d) + _qat(d) + prequantized.refusals(d) + restarts.refusals(d)  # lisa, relora
+    out += _moe_quantization(d) + prequantized.refusals(d) + restarts.refusals(d)  # lisa, relora
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
     return out
-
-
-def _qat(d: dict) -> list[str]:
-    """``qat:`` checked as QATOptions reads it (pairs, group sizes); not on a bitsandbytes base, which is quantized
-    already (QAT fake-quantizes full-precision weights)."""
-    if d.get("qat") in (None, {}):
-        d.pop("qat", None)
-        return []
-    from nd_parallel.models.qat import QATOptions
-
-    try:
-        QATOptions.from_dict(d["qat"])
-    except ConfigError as err:
-        return [f"qat: {err}"]
-    if importlib.util.find_spec("torchao") is None:
-        return ["qat: torchao's fake quantizers are not installed: pip install 'nd_parallel[qat]' (torchao)"]
-    if d.get("load_in_4bit") or d.get("load_in_8bit"):
-        return ["qat with load_in_4bit / load_in_8bit: the base is quantized by bitsandbytes already, and QAT "
-                "fake-quantizes full-precision weights; drop one of them"]
-    return []
 
 
 def _schedule_and_saves(d: dict) -> list[str]:

@@ -65,11 +65,6 @@ REFUSED = {
     "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
             "only; " + _NOT_SFT,
-    "reward_model": "reward models train a classification head: nd-parallel train trains causal LMs only; "
-                    + _NOT_SFT,
-    "process_reward_model": "reward models train a classification head: nd-parallel train trains causal LMs "
-                            "only; " + _NOT_SFT,
-    "num_labels": "a classification head's label count: nd-parallel train trains causal LMs only; drop it",
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
@@ -173,8 +168,9 @@ def value_refusals(d: dict) -> list[str]:
         if d.get(key) not in (None, *SAVE_STRATEGIES):
             out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
     model_type = d.get("model_type")
-    if model_type not in (None, "AutoModelForCausalLM") and not str(model_type).endswith("ForCausalLM") \
-            and not is_multimodal_class(model_type):  # multimodal.py: a vision-language class needs a processor
+    causal = model_type in (None, "AutoModelForCausalLM") or str(model_type).endswith("ForCausalLM")
+    reward = d.get("reward_model") or d.get("process_reward_model")  # reward.py checks its heads
+    if not causal and not is_multimodal_class(model_type) and not reward:  # multimodal.py: needs a processor
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
 

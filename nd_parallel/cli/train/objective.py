@@ -1,7 +1,8 @@
 """Axolotl keys about what the model computes in training and the class its config is read with: ``use_eaft``
 (with ``eaft_alpha``, ``eaft_k``), ``use_onebitllms`` (1.58-bit linear layers, nd_parallel/models/bitnet.py),
 ``cls_model_config``, ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``), and how a LoRA adapter
-starts: ``peft: {loftq_config: {loftq_bits}}`` (LoftQ, nd_parallel/models/loftq.py).
+starts: ``peft: {loftq_config: {loftq_bits}}`` (LoftQ, nd_parallel/models/loftq.py); ``qat:``'s checks (its fake
+quantizers: nd_parallel/models/qat.py) live here too.
 
 EAFT weights each label token's cross-entropy by the entropy of the model's top-k prediction
 (nd_parallel/distributed/eaft.py); the ranks install it as the model's loss function before the layout is applied,
@@ -12,9 +13,12 @@ so it holds under every layout. ``cls_model_config`` names a transformers config
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from nd_parallel.config import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -54,7 +58,7 @@ def objective_refusals(d: dict) -> list[str]:
         out.append(f"eaft_k={k!r}: write an integer >= 1 (top logits the entropy is taken over; Axolotl's default 20)")
     if d.get("use_eaft") is True:
         out += _eaft_combinations(d)
-    out += _onebitllms(d) + _peft(d)
+    out += _onebitllms(d) + _peft(d) + _qat(d)
     if d.get("llama4_linearized_experts") not in (None, True, False):
         out.append(f"llama4_linearized_experts={d['llama4_linearized_experts']!r}; use true or false")
     name = d.get("cls_model_config")
@@ -85,6 +89,26 @@ def _eaft_combinations(d: dict) -> list[str]:
         out.append("use_eaft with liger_fused_linear_cross_entropy: the fused kernel never forms the logits EAFT "
                    "weighs; drop one of them")
     return out
+
+
+def _qat(d: dict) -> list[str]:
+    """``qat:`` checked as QATOptions reads it (pairs, group sizes); not on a bitsandbytes base, which is quantized
+    already (QAT fake-quantizes full-precision weights)."""
+    if d.get("qat") in (None, {}):
+        d.pop("qat", None)
+        return []
+    from nd_parallel.models.qat import QATOptions
+
+    try:
+        QATOptions.from_dict(d["qat"])
+    except ConfigError as err:
+        return [f"qat: {err}"]
+    if importlib.util.find_spec("torchao") is None:
+        return ["qat: torchao's fake quantizers are not installed: pip install 'nd_parallel[qat]' (torchao)"]
+    if d.get("load_in_4bit") or d.get("load_in_8bit"):
+        return ["qat with load_in_4bit / load_in_8bit: the base is quantized by bitsandbytes already, and QAT "
+                "fake-quantizes full-precision weights; drop one of them"]
+    return []
 
 
 def _onebitllms(d: dict) -> list[str]:
@@ -119,8 +143,6 @@ def _peft(d: dict) -> list[str]:
     if d.get("lora_target_parameters"):
         return ["peft.loftq_config with lora_target_parameters: LoftQ initializes LoRA on Linear layers only; drop "
                 "one of them"]
-    import importlib.util
-
     missing = [p for p in ("bitsandbytes", "scipy") if importlib.util.find_spec(p) is None]
     if missing:  # peft's LoftQ quantizes with bitsandbytes and requires scipy
         return [f"peft.loftq_config needs {' and '.join(missing)}, not installed: pip install 'nd_parallel[loftq]'"]
@@ -197,8 +219,6 @@ def llama4_experts(t: ObjectiveOptions):
 def check_llama4_experts(t: ObjectiveOptions, source: str, layout, path) -> None:
     """llama4_linearized_experts against the local checkpoint, before any rank starts: a Llama 4 model; a fused
     checkpoint is split after loading in full precision only; the experts' Linears have no TP / EP split."""
-    from nd_parallel.config import ConfigError
-
     if not t.llama4_linearized_experts or not os.path.isfile(os.path.join(source, "config.json")):
         return
     from nd_parallel.models.llama4_linear import checkpoint_experts

@@ -33,6 +33,8 @@ from .job import DemoJob, Job, TrainJob, read_jobs
 def _model(t: TrainConfig, tokenizer):
     from accelerate.utils import set_seed
 
+    from .reward import auto_class, lora_task
+
     set_seed(t.seed)  # the model and adapter init are the same on every rank and in one process
     extra = {} if t.trust_remote_code is None else {"trust_remote_code": t.trust_remote_code}
     if t.base_model_config:
@@ -42,6 +44,7 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(objective.config_kwargs(t, t.base_model_config or t.base_model, extra))  # cls_model_config
     extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
+    auto = auto_class(t, extra)  # AutoModelForCausalLM, or a reward model's classification head (reward.py)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists
         extra["attn_implementation"] = attention_for(t.base_model, t.attn_implementation, extra)
         if extra["attn_implementation"] != t.attn_implementation and os.environ.get("RANK", "0") == "0":
@@ -51,7 +54,7 @@ def _model(t: TrainConfig, tokenizer):
     extra.update(prequantized.load_kwargs(t))  # Mxfp4Config(dequantize=True): MXFP4 experts read as fp32 weights
     with _experts_quantized(t) as quantized, objective.llama4_experts(t) as split_after:  # Llama 4's expert Linears
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
-                 else _auto_class(t).from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
+                 else auto.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     split_after(model)
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
@@ -77,27 +80,20 @@ def _model(t: TrainConfig, tokenizer):
     targets = linear_target_names(model, t.lora_target_modules) if t.lora_target_linear else t.lora_target_modules
     from nd_parallel.models.loftq import cpu_loftq
 
+    task, targets = lora_task(t, targets)
     with expert_lora_without_dropout() as undropped, cpu_loftq():  # LoftQ (peft: loftq_config) on CPU ranks too
         if t.lora_model_dir:
             model = PeftModel.from_pretrained(model, t.lora_model_dir, is_trainable=True)
         else:
             model = get_peft_model(model, LoraConfig(
                 r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-                modules_to_save=t.lora_modules_to_save, task_type="CAUSAL_LM", **lora_kwargs(t),
+                modules_to_save=t.lora_modules_to_save, task_type=task, **lora_kwargs(t),
                 **objective.adapter_kwargs(t)))
     if undropped and os.environ.get("RANK", "0") == "0":  # Axolotl warns the same
         print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
               "other LoRA layers use it", flush=True)
     return freeze_mm_modules(model) if t.freeze_mm_modules else model
-
-
-def _auto_class(t: TrainConfig):
-    """AutoModelForCausalLM, or AutoModelForImageTextToText with a processor (multimodal.py): the checkpoint's own
-    class either way (Axolotl's model_type names it)."""
-    import transformers
-
-    return transformers.AutoModelForImageTextToText if t.processor_type else transformers.AutoModelForCausalLM
 
 
 def freeze_mm_modules(model):
@@ -122,7 +118,9 @@ def _from_config(t: TrainConfig, extra: dict):
     for key, value in (t.model_config or {}).items():  # from_pretrained would set these on the config
         setattr(config, key, extra.pop(key, value))
     kwargs = {k: extra[k] for k in ("attn_implementation", "experts_implementation") if k in extra}
-    return _auto_class(t).from_config(config, dtype=torch.float32, **trust, **kwargs)
+    from .reward import auto_class
+
+    return auto_class(t, {"config": config}).from_config(config, dtype=torch.float32, **trust, **kwargs)
 
 
 def freeze_except(model, patterns: list[str]) -> None:
@@ -207,6 +205,7 @@ def _run_train(job: TrainJob) -> dict:
     from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, fake_quant_after, user_callbacks, watchdog
     from .data import Collator, load_prepared
     from .preference import preference_trainer
+    from .reward import reward_kind, reward_trainer
 
     t = job.train
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # rank entry point: torchrun's agent sets it
@@ -219,6 +218,8 @@ def _run_train(job: TrainJob) -> dict:
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer / ORPOTrainer tokenizes and collates them (preference.py)
         trainer = preference_trainer(t, job.trainer_args, **parts)
+    elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
+        trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
         collator = Collator(tokenizer.pad_token_id, pad_to)
         if t.processor_type:  # images: each rank processes its own rows at collate time (data/mm_collate.py)

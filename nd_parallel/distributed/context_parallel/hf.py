@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from nd_parallel.models.attention_calls import attention_keywords, computed_attention_masks
 from nd_parallel.models.hf import find_layer_stack, sequence_mixers, text_config
 
+from ..classification import head_kind
+from .pooled_head import PooledHead
 from .sharding import ShardedBatch, isolates_documents, shard_batch, token_index
 from .token_outputs import gather_sequence, gathered_logits, gathered_token_outputs
 
@@ -320,6 +322,8 @@ class SequenceSharding:
         # Refused up front: generate() would prefill through the hooks and fail at the first one-token step.
         self.model = model
         model.generate = _generate_refused
+        # a reward model's head pools a token one rank holds (pooled_head.py); its pre-hook runs before the cut
+        self.pooled = PooledHead(model, runtime) if head_kind(model) == "sequence" else None
 
     def _pre(self, module, args, kwargs):
         if any(k in kwargs for k in META_KEYS):
@@ -346,6 +350,8 @@ class SequenceSharding:
             return None
         token, seq_len, has_labels, shifted = self._state.pop()
         _ACTIVE.reset(token)
+        if self.pooled is not None:  # one row of logits per sequence, already those of the whole sequence
+            return None
         if self.per_token_outputs and getattr(output, "label_mask", None) is not None:  # TRL's fused LM head
             return gathered_token_outputs(output, self.runtime, seq_len, drop_last=not shifted)
         # Training with labels needs only the loss; evaluation returns the logits one process would.
@@ -359,6 +365,8 @@ class SequenceSharding:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        if self.pooled is not None:
+            self.pooled.remove()
         self.model.__dict__.pop("generate", None)
 
 

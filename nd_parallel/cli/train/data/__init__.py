@@ -32,7 +32,8 @@ from .orpo import TYPES as ORPO_TYPES
 from .orpo import argilla_fn
 from .packing import pack_fn
 from .preference import preference_fn
-from .sources import DatasetSpec, load_source
+from .reward import reward_fn
+from .sources import REWARD_TYPES, DatasetSpec, load_source
 from .tokenizer import check_sequence_len, load_tokenizer
 
 __all__ = ["Collator", "DatasetSpec", "Prepared", "build_samples", "collate", "load_prepared", "prepare"]
@@ -73,6 +74,8 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
     raw, where = load_source(spec, cache)
     if spec.type == "chat_template" and mistral.is_mistral(tokenizer):  # mistral-common renders the conversation
         fn = mistral.chat_fn(spec, tokenizer, where, train_on_inputs=cfg.train_on_inputs)
+    elif spec.type in REWARD_TYPES:  # reward_model / process_reward_model (reward.py)
+        fn = reward_fn(spec, tokenizer, where, cfg.sequence_len)
     else:
         fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
                          eot_tokens=cfg.eot_tokens)
@@ -80,6 +83,8 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
                  desc=f"tokenizing {spec.path}")
     if spec.type == "pretraining":
         ds = ds.map(chunk_fn(cfg.sequence_len), batched=True, desc="cutting into sequence_len blocks")
+    if spec.type == "bradley_terry.chat_template":  # pairs, cut to sequence_len: Axolotl drops none of them
+        return ds, f"{where}: {len(raw)} records -> {len(ds)} pairs ({spec.type})"
     shortest = cfg.min_sample_len or 2  # Axolotl's min_sample_len (default 2)
     kept = ds.filter(lambda row: shortest <= len(row["input_ids"]) <= cfg.sequence_len,
                      desc="dropping long and short samples")

@@ -21,6 +21,8 @@ from .kto import TYPES as KTO_TYPES
 from .orpo import TYPES as ORPO_TYPES
 
 TYPES = ("completion", "alpaca", "chat_template", "pretraining", "tokenized")
+# reward_model / process_reward_model's formats (reward.py; cli/train/reward.py pairs them with those keys)
+REWARD_TYPES = ("bradley_terry.chat_template", "stepwise_supervised")
 # Axolotl's instruction types besides alpaca (instructions.py): alpaca:<style>, alpaca_chat, jeopardy[:<style>].
 INSTRUCTION_TYPES = ("alpaca:chat", "alpaca:chatml", "alpaca:phi", "alpaca_chat", "jeopardy")
 # Axolotl's names for the same formats.
@@ -82,6 +84,12 @@ class DatasetSpec:
     """rl: dpo: the column holding the preferred answer (data/preference.py)."""
     field_rejected: str = "rejected"
     """rl: dpo: the column holding the other answer."""
+    step_separator: str = "\n"
+    """stepwise_supervised: the text after each step; a step's label sits on its last token (data/reward.py)."""
+    max_completion_length: int | None = None
+    """stepwise_supervised: cut the steps' tokens to this many. Default: no cut (sequence_len still applies)."""
+    train_on_last_step_only: bool = False
+    """stepwise_supervised: label the last step only."""
     name: str | None = None
     """Streamed data only (streaming: true, pretraining_dataset): the hub dataset's configuration, e.g. "en"."""
     skip: int = 0
@@ -162,7 +170,8 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if kind is None:  # Axolotl: `type:` left empty reads a dataset that is already tokenized
         kind = entry["type"] = "tokenized"
     known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind)
-                                       or kind in KTO_TYPES + DPO_TYPES + ORPO_TYPES)  # rl's (rl_refusals pairs them)
+                                       or kind in KTO_TYPES + DPO_TYPES + ORPO_TYPES  # rl's (rl_refusals pairs them)
+                                       or kind in REWARD_TYPES)
     if not known:
         fix = instructions.problem(kind) if isinstance(kind, str) else None
         if kind == "sharegpt":
@@ -177,6 +186,7 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
     if spec.ds_type is not None and spec.ds_type not in set(DS_TYPES.values()):
         issues.append(f"datasets[{i}].ds_type={spec.ds_type!r}; use one of "
                       f"{', '.join(sorted(set(DS_TYPES.values())))} (or leave it out: the extension decides)")
+    issues += _stepwise_issues(spec, i)
     for key in ("field_thinking", "template_thinking_key"):
         if not isinstance(getattr(spec, key), str):
             issues.append(f"datasets[{i}].{key}={getattr(spec, key)!r}; write the turn key, e.g. thinking")
@@ -191,6 +201,19 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
 
 
 EOS_OPTIONS = ("turn", "all", "last", "none")
+
+
+def _stepwise_issues(spec: DatasetSpec, i: int) -> list[str]:
+    out = [] if isinstance(spec.step_separator, str) and spec.step_separator else [
+        f"datasets[{i}].step_separator={spec.step_separator!r}; write the text between steps, e.g. \"\\n\""]
+    length = spec.max_completion_length
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        out.append(f"datasets[{i}].max_completion_length={length!r}; write a number of tokens >= 1 or leave it out")
+    if not isinstance(spec.train_on_last_step_only, bool):
+        out.append(f"datasets[{i}].train_on_last_step_only={spec.train_on_last_step_only!r}; use true or false")
+    return out
+
+
 _SPLIT = re.compile(r"^(\w+)(?:\[\s*(-?\d+%?)?\s*:\s*(-?\d+%?)?\s*\])?$")
 
 
