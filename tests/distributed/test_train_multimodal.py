@@ -10,7 +10,9 @@ cannot reduce a gradient that one rank lacks), so its rows all hold an image. Ea
 collate time (data/mm_collate.py). Variants: Llava + LoRA on Axolotl's example regex
 (``model.language_model.layers...``), Llava full fine-tuning (the vision tower and projector train too; under TP
 they are replicated) and with freeze_mm_modules (they stay exactly as loaded), Gemma 3 full fine-tuning with its
-role masking, and Gemma 3 + LoRA with freeze_mm_modules.
+role masking, Gemma 3 + LoRA with freeze_mm_modules, and Gemma 3's image-text class trained on text rows without a
+processor (model_type: Gemma3ForConditionalGeneration, as Axolotl's Llama 4 text YAMLs run their class). DDP runs
+for two variants only (its data path is FSDP2's).
 Gradient accumulation 2, linear LR, seed 0, 3 steps, no epoch end. All parallel runs share ONE 2-rank launch,
 the references one process; for dp 2 the reference's micro_batch_size is doubled (the same global batches).
 
@@ -20,7 +22,7 @@ parity (test_train_yaml_parity.py): fp32 throughout, the only differences being 
 changes matmul shapes but no real token's value). A wrong label mask, a lost image, a rank reading another rank's
 rows or a vision tower that does not train moves the loss or the tensors by orders of magnitude more (checked: the
 full-fine-tuning runs' patch embedding and projector move by > 1e-4, and LoRA's B leaves zero). Measured: losses
-within 2e-7 relative, saved tensors within 1e-6 (2026-12-03, 15 runs, about 3.5 min on 2 CPU cores).
+within 2e-7 relative, saved tensors within 1e-6 (2026-12-03, 15 runs, about 3.5 min on 2 CPU cores; now 14).
 """
 
 import base64
@@ -39,14 +41,23 @@ BASE = dict(processor_type="AutoProcessor", skip_prepare_dataset=True, remove_un
             optimizer="adamw_torch", bf16="auto", curriculum_sampling=True)
 REGEX = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # Axolotl
 LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=REGEX)
+# Without processor_type, an image-text model_type trains on text rows (Axolotl's Llama 4 text YAMLs do that).
+TEXT_ONLY = dict(model_type="Gemma3ForConditionalGeneration", chat_template="gemma3", curriculum_sampling=True,
+                 sequence_len=256, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
+                 lr_scheduler="linear", weight_decay=0.01, seed=0, adam_epsilon=1e-6, optimizer="adamw_torch",
+                 bf16="auto", **LORA)
 VARIANTS = {"llava_lora": ("llava", dict(chat_template="llava", **LORA)),
             "llava_full": ("llava", dict(chat_template="llava")),
             "llava_full_frozen": ("llava", dict(chat_template="llava", freeze_mm_modules=True)),
             "gemma3_full": ("gemma3", dict(chat_template="gemma3")),
-            "gemma3_lora_frozen": ("gemma3", dict(chat_template="gemma3", freeze_mm_modules=True, **LORA))}
+            "gemma3_lora_frozen": ("gemma3", dict(chat_template="gemma3", freeze_mm_modules=True, **LORA)),
+            "gemma3_text_lora": ("gemma3", TEXT_ONLY)}
 LAYOUTS = {"fsdp2": ({"dp_shard_size": 2}, 2), "ddp": ({"dp_replicate_size": 2}, 2),
            "tp2": ({"tensor_parallel_size": 2}, 1)}
-CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
+# DDP shares FSDP2's data path (each rank its own rows): two variants run it, one with images, one with image-less
+# micro-batches on one rank
+DDP = ("llava_lora", "gemma3_full")
+CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS if lay != "ddp" or v in DDP]
 
 
 def _rows(root, n: int = 48, text_only: bool = False) -> list[dict]:
@@ -83,11 +94,16 @@ def runs(tmp_path_factory):
     (root / "mm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root)))
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root, text_only=True)))
     parallel, refs = [], []
+    (root / "text.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": a},
+                                                                       {"role": "assistant", "content": b}]}) + "\n"
+                                            for a, b in zip(make_text(48, seed=6), make_text(48, seed=7))))
     for variant, (family, keys) in VARIANTS.items():
-        shared = {**BASE, **keys, "base_model": models[family],
-                  "datasets": [{"path": str(root / ("mm.jsonl" if variant.endswith("_full") else "mixed.jsonl")),
-                                "type": "chat_template"}]}
+        data = "text.jsonl" if keys is TEXT_ONLY else "mm.jsonl" if variant.endswith("_full") else "mixed.jsonl"
+        shared = {**({} if keys is TEXT_ONLY else BASE), **keys, "base_model": models[family],
+                  "datasets": [{"path": str(root / data), "type": "chat_template"}]}
         for layout, (sizes, _) in LAYOUTS.items():
+            if (variant, layout) not in CASES:
+                continue
             parallel.append(write_yaml(root / f"{variant}-{layout}.yaml",
                                        {**shared, **sizes, "output_dir": str(root / f"{variant}-{layout}")}))
         for dp in (1, 2):
@@ -110,7 +126,8 @@ def test_multimodal_yaml_matches_one_process(runs, variant, layout):
     worst = max((tensors[k] - v).abs().max().item() for k, v in ref_tensors.items())
     print(f"{variant} {layout}: losses {losses} saved-tensor diff {worst:.2e}")
     assert worst <= 1e-5
-    assert (got / "processor_config.json").is_file() or (got / "preprocessor_config.json").is_file()
+    if VARIANTS[variant][1] is not TEXT_ONLY:
+        assert (got / "processor_config.json").is_file() or (got / "preprocessor_config.json").is_file()
     if "lora" in variant:
         assert max(v.abs().max().item() for k, v in tensors.items() if "lora_B" in k) > 0  # the adapter trained
         assert all(".language_model.layers." in k for k in tensors), sorted(tensors)[:4]  # Axolotl's regex only

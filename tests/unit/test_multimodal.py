@@ -58,10 +58,17 @@ def test_multimodal_keys_without_a_processor_are_refused(tmp_path):
         _load(tmp_path, "model_type: LlavaForConditionalGeneration\nfreeze_mm_modules: true\nchat_template: llava\n",
               head)
     message = str(err.value)
-    for needle in ("model_type='LlavaForConditionalGeneration' is a vision-language class: set processor_type",
-                   "freeze_mm_modules=True without processor_type", "chat_template='llava' renders images through "
+    for needle in ("freeze_mm_modules=True without processor_type", "chat_template='llava' renders images through "
                    "a processor: set processor_type"):
         assert needle in message, message
+    assert "model_type" not in message  # an image-text class alone: Axolotl's text-only run of it (multimodal.py)
+    from nd_parallel.cli.train.multimodal import image_text_class
+
+    cfg = _load(tmp_path, "model_type: Gemma3ForConditionalGeneration\nchat_template: gemma3\n", head)
+    assert image_text_class(cfg) and not cfg.processor_type
+    with pytest.raises(ConfigError, match=r"model_type='Gemma3ForConditionalGeneration' \(an image-text class, "
+                                          r"trained on text\) with pp_size=2: the outer model's forward is neither"):
+        _load(tmp_path, "model_type: Gemma3ForConditionalGeneration\npipeline_parallel_size: 2\n", head)
     with pytest.raises(ConfigError, match=r"datasets\[0\].type='alpaca' with processor_type"):
         _load(tmp_path, "", HEAD.replace("type: chat_template", "type: alpaca"))
 

@@ -28,6 +28,13 @@ def is_multimodal_class(name: Any) -> bool:
     return isinstance(name, str) and (name in AUTO_CLASSES or name.endswith("ForConditionalGeneration"))
 
 
+def image_text_class(t) -> bool:
+    """Whether the ranks load AutoModelForImageTextToText: with a processor, or an image-text ``model_type`` named
+    without one (Axolotl's text-only run of such a class, e.g. Llama4ForConditionalGeneration: its vision tower sits
+    unused, the language model trains on text rows as any causal LM)."""
+    return bool(t.processor_type) or is_multimodal_class(t.model_type)
+
+
 @dataclass(kw_only=True)
 class MultimodalOptions:
     processor_type: str | None = None
@@ -54,9 +61,12 @@ def multimodal_refusals(d: dict, layout) -> list[str]:
             if d.get(key):
                 out.append(f"{key}={d[key]!r} without processor_type: it shapes multimodal training only; set "
                            "processor_type: AutoProcessor (a vision-language checkpoint) or drop it")
-        if is_multimodal_class(d.get("model_type")):
-            out.append(f"model_type={d['model_type']!r} is a vision-language class: set processor_type: AutoProcessor "
-                       "(with chat_template datasets whose turns hold images), or use AutoModelForCausalLM")
+        split = {k: getattr(layout, k) for k in ("pp_size", "cp_size", "ep_size") if getattr(layout, k, 1) > 1}
+        if is_multimodal_class(d.get("model_type")) and split:  # Axolotl's text-only run of an image-text class
+            out.append(f"model_type={d['model_type']!r} (an image-text class, trained on text) with "
+                       f"{', '.join(f'{k}={v}' for k, v in split.items())}: the outer model's forward is neither cut "
+                       "into stages nor sequence-sharded here; use dp_shard_size / dp_replicate_size / "
+                       "tensor_parallel_size, or the text model's *ForCausalLM class")
         return out
     if not isinstance(processor, str) or not (processor == "AutoProcessor" or processor.endswith("Processor")):
         out.append(f"processor_type={processor!r}: write AutoProcessor (or the checkpoint's *Processor class)")

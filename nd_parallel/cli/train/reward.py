@@ -138,7 +138,9 @@ def auto_class(t, extra: dict):
 
     kind = reward_kind(t)
     if kind is None:
-        return transformers.AutoModelForImageTextToText if t.processor_type else transformers.AutoModelForCausalLM
+        from .multimodal import image_text_class
+
+        return transformers.AutoModelForImageTextToText if image_text_class(t) else transformers.AutoModelForCausalLM
     labels = t.num_labels or KINDS["reward_model" if kind == "sequence" else "process_reward_model"][2]
     if "config" in extra:
         extra["config"].num_labels = labels
