@@ -242,3 +242,22 @@ def test_llama4_experts_split_and_linearized_checkpoints_load_as_linears(tmp_pat
                                     "holds no Llama 4 expert tensors")]:
         with pytest.raises(ConfigError, match=needle):
             check_llama4_experts(cfg, str(source), layout, "c.yml")
+
+
+@pytest.mark.parametrize("key", ["cls_model_config: LlamaConfig", "base_model_config: {model}"])
+def test_model_config_overrides_reach_a_config_read_by_class(tmp_path, tiny_llama, key):
+    """model_config with cls_model_config (or base_model_config): the overrides are set on the config object the
+    ranks pass to from_pretrained, as Axolotl sets them; passed as keywords, from_pretrained would hand them to the
+    model's __init__ (TypeError: unexpected keyword argument) on every rank."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from nd_parallel.cli.train.rank import _model
+
+    tiny_llama.save_pretrained(tmp_path / "model")
+    cfg = _stage(tmp_path, key.format(model=tmp_path / "model") + "\nmodel_config: {attention_dropout: 0.125}\n")
+    cfg.base_model = str(tmp_path / "model")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])))
+    model = _model(cfg, tokenizer)
+    assert model.config.attention_dropout == 0.125
+    assert torch.equal(model.lm_head.weight, tiny_llama.lm_head.weight)  # the checkpoint's weights
