@@ -192,3 +192,32 @@ def test_config_refusals_name_the_value_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="relora with pp_backend='deepspeed'"):
         check_layout(cfg, ParallelismConfig(pp_size=2, pp_backend="deepspeed"), "c.yml")
     check_layout(cfg, ParallelismConfig(pp_size=2), "c.yml")  # torch's pipeline: each stage restarts its layers
+
+
+def test_relora_restart_merges_an_embedding_lora():
+    """LoRA on the embeddings (lora_target_modules: [embed_tokens]): the restart merges (B @ A)^T * scaling into the
+    embedding and starts A at 0 and B ~ N(0, 1) as peft does (Axolotl's merge_and_save); it used to raise
+    NotImplementedError in every rank at the first restart."""
+    from peft import LoraConfig, get_peft_model
+
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.models import tiny_config
+
+    torch.manual_seed(0)  # untied: a delta merged into a tied embedding moves the head too (as in Axolotl)
+    untied = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, tie_word_embeddings=False))
+    model = get_peft_model(untied, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    layer = model.base_model.model.model.embed_tokens
+    with torch.no_grad():
+        layer.lora_embedding_A["default"].normal_(0, 0.1)  # peft starts A at 0: make the delta non-zero
+    ids = torch.arange(12).reshape(2, 6)
+    before, base = model(input_ids=ids).logits, layer.get_base_layer().weight.clone()
+    delta = (layer.lora_embedding_B["default"] @ layer.lora_embedding_A["default"]).T * layer.scaling["default"]
+    assert merge_and_reinit(model, 0, 1) == 3  # the embedding and two layers' q_proj
+    torch.testing.assert_close(layer.get_base_layer().weight, base + delta)
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert not layer.lora_embedding_A["default"].any()
+    fresh = layer.lora_embedding_B["default"].clone()
+    assert 0.5 < fresh.std().item() < 1.5  # N(0, 1), seeded: the same values on every rank
+    merge_and_reinit(model, 0, 1)
+    torch.testing.assert_close(layer.lora_embedding_B["default"], fresh, rtol=0, atol=0)
