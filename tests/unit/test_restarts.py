@@ -199,7 +199,6 @@ def test_relora_restart_merges_an_embedding_lora():
     embedding and starts A at 0 and B ~ N(0, 1) as peft does (Axolotl's merge_and_save); it used to raise
     NotImplementedError in every rank at the first restart."""
     from peft import LoraConfig, get_peft_model
-
     from transformers import AutoModelForCausalLM
 
     from nd_parallel.testing.models import tiny_config
