@@ -220,3 +220,18 @@ def test_relora_restart_merges_an_embedding_lora():
     assert 0.5 < fresh.std().item() < 1.5  # N(0, 1), seeded: the same values on every rank
     merge_and_reinit(model, 0, 1)
     torch.testing.assert_close(layer.lora_embedding_B["default"], fresh, rtol=0, atol=0)
+
+
+def test_lisa_layer_count_refused_in_the_parent(tmp_path):
+    """lisa_n_layers above a local checkpoint's num_hidden_layers is refused in the job stage (before any rank starts;
+    the ranks' LISACallback would raise after loading the model); within it, or without a local config, it passes."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
+    cfg = _load(tmp_path, "lisa_n_layers: 5\nlisa_step_interval: 2\n")
+    cfg.base_model = str(tmp_path / "m")
+    with pytest.raises(ConfigError, match="lisa_n_layers=5: .* has 4 decoder layers"):
+        check_layout(cfg, ParallelismConfig(), "c.yml")
+    cfg.lisa_n_layers = 4
+    check_layout(cfg, ParallelismConfig(), "c.yml")
+    cfg.lisa_n_layers, cfg.base_model = 5, str(tmp_path / "absent")
+    check_layout(cfg, ParallelismConfig(), "c.yml")
