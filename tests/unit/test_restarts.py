@@ -235,3 +235,31 @@ def test_lisa_layer_count_refused_in_the_parent(tmp_path):
     check_layout(cfg, ParallelismConfig(), "c.yml")
     cfg.lisa_n_layers, cfg.base_model = 5, str(tmp_path / "absent")
     check_layout(cfg, ParallelismConfig(), "c.yml")
+
+
+def test_merged_export_folds_an_embedding_lora_as_peft(tmp_path):
+    """The merged save a ReLoRA run ends with (checkpoint/export/adapter.save_merged), on one process: with LoRA on
+    the embeddings too it equals peft's merge_and_unload bit for bit (it raised KeyError on lora_A.<adapter>.weight,
+    which an embedding's LoRA does not have, after the whole run had trained)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.checkpoint.export.adapter import save_merged
+    from nd_parallel.testing.models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, tie_word_embeddings=False))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    state = SimpleNamespace(is_main_process=True, num_processes=1, device=torch.device("cpu"), distributed=False,
+                            barrier=lambda: None)
+    save_merged(state, model, tmp_path, "10GB")
+    got = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    want = model.merge_and_unload().state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
