@@ -184,6 +184,8 @@ def test_config_refusals_name_the_value_and_the_fix(tmp_path):
         assert needle in message, (needle, message)
     with pytest.raises(ConfigError, match="lisa_n_layers with adapter='lora': LISA trains whole decoder layers"):
         _load(tmp_path, "adapter: lora\nlisa_n_layers: 2\nlisa_step_interval: 5\n")
+    with pytest.raises(ConfigError, match="relora with lora_modules_to_save=\\['lm_head'\\]: a ReLoRA run ends by"):
+        _load(tmp_path, "adapter: lora\nrelora: true\njagged_restart_steps: 5\nlora_modules_to_save: [lm_head]\n")
     with pytest.raises(ConfigError, match="relora with adapter=None: ReLoRA restarts a LoRA adapter"):
         _load(tmp_path, "relora: true\njagged_restart_steps: 5\n")
     cfg = _load(tmp_path, "adapter: lora\nrelora: true\njagged_restart_steps: 5\njagged_restart_anneal_steps: false\n")

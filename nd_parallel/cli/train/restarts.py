@@ -107,6 +107,10 @@ def _relora(d: dict) -> list[str]:
     if d.get("lora_target_parameters"):
         out.append("relora with lora_target_parameters: the restart merges LoRA on Linear layers only; adapt the "
                    "linear layers (lora_target_modules) or drop relora")
+    if d.get("lora_modules_to_save"):  # checkpoint/export/adapter.py: the merged save covers LoRA layers only
+        out.append(f"relora with lora_modules_to_save={d['lora_modules_to_save']!r}: a ReLoRA run ends by saving "
+                   "the merged model, whose export merges LoRA layers, not trained copies of whole modules; drop "
+                   "lora_modules_to_save (LoRA on those modules via lora_target_modules is merged), or drop relora")
     if d.get("flash_attn_fuse_mlp"):  # Axolotl's rule
         out.append("relora with flash_attn_fuse_mlp: Axolotl refuses fused modules with ReLoRA; drop "
                    "flash_attn_fuse_mlp")
