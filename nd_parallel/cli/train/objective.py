@@ -199,7 +199,7 @@ def llama4_experts(t: ObjectiveOptions):
             print(f"[nd_parallel] llama4_linearized_experts: {count} layers' fused experts split into Linears",
                   flush=True)
 
-    if checkpoint_experts(t.base_model) == "linearized":
+    if checkpoint_experts(t.base_model, getattr(t, "revision_of_model", None)) == "linearized":  # hub: its cache
         with linearized_class():
             yield lambda model: None
     else:
