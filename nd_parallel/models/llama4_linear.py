@@ -92,19 +92,28 @@ def linearized_class() -> Iterator[None]:
         modeling_llama4.Llama4PreTrainedModel._init_weights = init
 
 
-def checkpoint_experts(source: str | Path) -> str | None:
-    """How a local checkpoint stores Llama 4's experts: "linearized", "fused", or None (no expert tensor found)."""
-    source = Path(source)
+def checkpoint_experts(source: str | Path, revision: str | None = None) -> str | None:
+    """How a checkpoint stores Llama 4's experts: "linearized", "fused", or None (no expert tensor found). A hub name
+    (Axolotl's llama-4 examples name axolotl-quants/...-Linearized-... checkpoints) is read from the files
+    transformers caches for it (the index, else the single safetensors file), which from_pretrained reads next."""
+    from safetensors import safe_open
+
+    files, index = sorted(Path(source).glob("*.safetensors")), Path(source) / "model.safetensors.index.json"
+    if not Path(source).is_dir():
+        from transformers.utils import cached_file
+
+        def cached(name):
+            return cached_file(str(source), name, revision=revision, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+
+        index = Path(cached("model.safetensors.index.json") or index)
+        files = [] if index.is_file() else [Path(f) for f in [cached("model.safetensors")] if f]
     names: list[str] = []
-    index = source / "model.safetensors.index.json"
     if index.is_file():
         names = list(json.loads(index.read_text())["weight_map"])
-    else:
-        from safetensors import safe_open
-
-        for path in sorted(source.glob("*.safetensors")):
-            with safe_open(str(path), framework="pt") as f:
-                names += list(f.keys())
+    for path in files if not names else []:
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
     if any(".experts.gate_projs." in n for n in names):
         return "linearized"
     if any(n.endswith(".experts.gate_up_proj") for n in names):

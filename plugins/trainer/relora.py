@@ -84,9 +84,10 @@ def merge_and_reinit(model, seed: int, step: int, cpu_offload: bool = False) -> 
     """Every LoRA layer of this rank: base weight += delta; A, B initialised again. Returns the layer count."""
     layers = _lora_layers(model)
     for name, layer in layers:
-        if layer.lora_embedding_A or layer.lora_magnitude_vector:
-            raise NotImplementedError(f"relora: {name} is an embedding LoRA or DoRA layer; ReLoRA merges plain "
-                                      "LoRA on Linear layers: leave embeddings out of lora_target_modules")
+        if layer.lora_magnitude_vector:  # DoRA is refused in the config stage (keys.REFUSED)
+            raise NotImplementedError(f"relora: {name} is a DoRA layer; ReLoRA merges plain LoRA")
+        for adapter in layer.lora_embedding_A:  # LoRA on an embedding (e.g. lora_target_modules: [embed_tokens])
+            _restart_embedding(layer, name, adapter, seed, step, cpu_offload)
         for adapter in layer.lora_A:
             a_param, b_param = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
             where = "cpu" if cpu_offload else a_param.device  # relora_cpu_offload: the delta formed on the CPU
@@ -102,6 +103,19 @@ def merge_and_reinit(model, seed: int, step: int, cpu_offload: bool = False) -> 
             _assign(a_param, fresh)
             _assign(b_param, torch.zeros(b.shape))
     return len(layers)
+
+
+def _restart_embedding(layer, name: str, adapter: str, seed: int, step: int, cpu_offload: bool) -> None:
+    """An embedding LoRA layer's restart, as Axolotl's (peft's get_delta_weight, then reset_lora_parameters):
+    weight += (B @ A)^T * scaling; A = 0, B ~ N(0, 1) (nn.Embedding's init, peft's for lora_embedding_B)."""
+    a_param, b_param = layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]  # [r, vocab], [dim, r]
+    where = "cpu" if cpu_offload else a_param.device
+    a, b = _whole(a_param).to(where), _whole(b_param).to(where)
+    _assign(layer.get_base_layer().weight, (b @ a).T * layer.scaling[adapter], add=True)
+    _assign(a_param, torch.zeros(a.shape))
+    fresh = torch.empty(b.shape, dtype=torch.float32).normal_(
+        generator=generator(seed, step, f"{name}.lora_embedding_B.{adapter}", "init"))
+    _assign(b_param, fresh)
 
 
 def _inner_optimizer(optimizer):

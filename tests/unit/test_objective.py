@@ -242,3 +242,46 @@ def test_llama4_experts_split_and_linearized_checkpoints_load_as_linears(tmp_pat
                                     "holds no Llama 4 expert tensors")]:
         with pytest.raises(ConfigError, match=needle):
             check_llama4_experts(cfg, str(source), layout, "c.yml")
+
+
+@pytest.mark.parametrize("key", ["cls_model_config: LlamaConfig", "base_model_config: {model}"])
+def test_model_config_overrides_reach_a_config_read_by_class(tmp_path, tiny_llama, key):
+    """model_config with cls_model_config (or base_model_config): the overrides are set on the config object the
+    ranks pass to from_pretrained, as Axolotl sets them; passed as keywords, from_pretrained would hand them to the
+    model's __init__ (TypeError: unexpected keyword argument) on every rank."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from nd_parallel.cli.train.rank import _model
+
+    tiny_llama.save_pretrained(tmp_path / "model")
+    cfg = _stage(tmp_path, key.format(model=tmp_path / "model") + "\nmodel_config: {attention_dropout: 0.125}\n")
+    cfg.base_model = str(tmp_path / "model")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[])))
+    model = _model(cfg, tokenizer)
+    assert model.config.attention_dropout == 0.125
+    assert torch.equal(model.lm_head.weight, tiny_llama.lm_head.weight)  # the checkpoint's weights
+
+
+def test_llama4_experts_of_a_hub_checkpoint_are_read_from_its_cached_index(tmp_path, monkeypatch):
+    """Axolotl's llama-4 examples name hub checkpoints (axolotl-quants/...-Linearized-...): the ranks read the index
+    transformers caches for them, so the linearized class is built; a hub name counted as no experts built fused
+    modules, which the linearized weights do not fill (left at their init, silently)."""
+    import transformers.utils
+
+    from nd_parallel.models.llama4_linear import checkpoint_experts
+
+    index = tmp_path / "model.safetensors.index.json"
+    asked = []
+
+    def cached_file(repo, name, **kwargs):
+        asked.append((repo, name, kwargs.get("revision")))
+        return str(index) if name == index.name else None
+
+    monkeypatch.setattr(transformers.utils, "cached_file", cached_file)
+    for key, kind in [("model.layers.0.feed_forward.experts.gate_projs.0.weight", "linearized"),
+                      ("model.layers.0.feed_forward.experts.gate_up_proj", "fused"),
+                      ("model.layers.0.mlp.up_proj.weight", None)]:
+        index.write_text(json.dumps({"weight_map": {key: "model-00001.safetensors"}}))
+        assert checkpoint_experts("org/Llama-4-Linearized", revision="r1") == kind
+    assert asked[0] == ("org/Llama-4-Linearized", "model.safetensors.index.json", "r1")

@@ -184,6 +184,8 @@ def test_config_refusals_name_the_value_and_the_fix(tmp_path):
         assert needle in message, (needle, message)
     with pytest.raises(ConfigError, match="lisa_n_layers with adapter='lora': LISA trains whole decoder layers"):
         _load(tmp_path, "adapter: lora\nlisa_n_layers: 2\nlisa_step_interval: 5\n")
+    with pytest.raises(ConfigError, match="relora with lora_modules_to_save=\\['lm_head'\\]: a ReLoRA run ends by"):
+        _load(tmp_path, "adapter: lora\nrelora: true\njagged_restart_steps: 5\nlora_modules_to_save: [lm_head]\n")
     with pytest.raises(ConfigError, match="relora with adapter=None: ReLoRA restarts a LoRA adapter"):
         _load(tmp_path, "relora: true\njagged_restart_steps: 5\n")
     cfg = _load(tmp_path, "adapter: lora\nrelora: true\njagged_restart_steps: 5\njagged_restart_anneal_steps: false\n")
@@ -192,3 +194,74 @@ def test_config_refusals_name_the_value_and_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="relora with pp_backend='deepspeed'"):
         check_layout(cfg, ParallelismConfig(pp_size=2, pp_backend="deepspeed"), "c.yml")
     check_layout(cfg, ParallelismConfig(pp_size=2), "c.yml")  # torch's pipeline: each stage restarts its layers
+
+
+def test_relora_restart_merges_an_embedding_lora():
+    """LoRA on the embeddings (lora_target_modules: [embed_tokens]): the restart merges (B @ A)^T * scaling into the
+    embedding and starts A at 0 and B ~ N(0, 1) as peft does (Axolotl's merge_and_save); it used to raise
+    NotImplementedError in every rank at the first restart."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.testing.models import tiny_config
+
+    torch.manual_seed(0)  # untied: a delta merged into a tied embedding moves the head too (as in Axolotl)
+    untied = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, tie_word_embeddings=False))
+    model = get_peft_model(untied, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    layer = model.base_model.model.model.embed_tokens
+    with torch.no_grad():
+        layer.lora_embedding_A["default"].normal_(0, 0.1)  # peft starts A at 0: make the delta non-zero
+    ids = torch.arange(12).reshape(2, 6)
+    before, base = model(input_ids=ids).logits, layer.get_base_layer().weight.clone()
+    delta = (layer.lora_embedding_B["default"] @ layer.lora_embedding_A["default"]).T * layer.scaling["default"]
+    assert merge_and_reinit(model, 0, 1) == 3  # the embedding and two layers' q_proj
+    torch.testing.assert_close(layer.get_base_layer().weight, base + delta)
+    torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert not layer.lora_embedding_A["default"].any()
+    fresh = layer.lora_embedding_B["default"].clone()
+    assert 0.5 < fresh.std().item() < 1.5  # N(0, 1), seeded: the same values on every rank
+    merge_and_reinit(model, 0, 1)
+    torch.testing.assert_close(layer.lora_embedding_B["default"], fresh, rtol=0, atol=0)
+
+
+def test_lisa_layer_count_refused_in_the_parent(tmp_path):
+    """lisa_n_layers above a local checkpoint's num_hidden_layers is refused in the job stage (before any rank starts;
+    the ranks' LISACallback would raise after loading the model); within it, or without a local config, it passes."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 4}))
+    cfg = _load(tmp_path, "lisa_n_layers: 5\nlisa_step_interval: 2\n")
+    cfg.base_model = str(tmp_path / "m")
+    with pytest.raises(ConfigError, match="lisa_n_layers=5: .* has 4 decoder layers"):
+        check_layout(cfg, ParallelismConfig(), "c.yml")
+    cfg.lisa_n_layers = 4
+    check_layout(cfg, ParallelismConfig(), "c.yml")
+    cfg.lisa_n_layers, cfg.base_model = 5, str(tmp_path / "absent")
+    check_layout(cfg, ParallelismConfig(), "c.yml")
+
+
+def test_merged_export_folds_an_embedding_lora_as_peft(tmp_path):
+    """The merged save a ReLoRA run ends with (checkpoint/export/adapter.save_merged), on one process: with LoRA on
+    the embeddings too it equals peft's merge_and_unload bit for bit (it raised KeyError on lora_A.<adapter>.weight,
+    which an embedding's LoRA does not have, after the whole run had trained)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.checkpoint.export.adapter import save_merged
+    from nd_parallel.testing.models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, tie_word_embeddings=False))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.1)
+    state = SimpleNamespace(is_main_process=True, num_processes=1, device=torch.device("cpu"), distributed=False,
+                            barrier=lambda: None)
+    save_merged(state, model, tmp_path, "10GB")
+    got = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    want = model.merge_and_unload().state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

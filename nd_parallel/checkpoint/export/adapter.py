@@ -99,9 +99,10 @@ def _merge_jobs(wrapper, order: list[Entry]) -> list[tuple[Entry, list[str], obj
                                       "variant): the merged export covers plain LoRA; save the adapter instead")
         inputs = [e.name]
         if leaf == "weight":
-            for adapter in layer.active_adapters:
-                inputs += [by_name[f"{module_name}.lora_A.{adapter}.weight"].name,
-                           by_name[f"{module_name}.lora_B.{adapter}.weight"].name]
+            for adapter in layer.active_adapters:  # an embedding's LoRA factors are parameters (no ".weight")
+                a, b = ((f"lora_embedding_A.{adapter}", f"lora_embedding_B.{adapter}") if adapter in
+                        layer.lora_embedding_A else (f"lora_A.{adapter}.weight", f"lora_B.{adapter}.weight"))
+                inputs += [by_name[f"{module_name}.{a}"].name, by_name[f"{module_name}.{b}"].name]
         jobs.append((Entry(f"{module_name}.{leaf}", e.shape, e.dtype), inputs, layer))
     return sorted(jobs, key=lambda job: natural_key(job[0].name))
 
@@ -126,7 +127,9 @@ def save_merged(state: TrainState, model, out_dir: Path, max_shard_size) -> Path
             delta = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
             for adapter, a_name, b_name in zip(layer.active_adapters, inputs[1::2], inputs[2::2]):
                 step = (got[b_name].float() @ got[a_name].float()) * layer.scaling[adapter]
-                delta += step.T if getattr(layer, "fan_in_fan_out", False) else step
+                # an embedding's B @ A is [dim, vocab] (peft's Embedding.get_delta_weight transposes it)
+                transpose = adapter in layer.lora_embedding_A or getattr(layer, "fan_in_fan_out", False)
+                delta += step.T if transpose else step
             value = (value.float() + delta).to(value.dtype)
         writer.write(out.name, value)
     if main:

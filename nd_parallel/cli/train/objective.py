@@ -179,6 +179,18 @@ def config_kwargs(t: ObjectiveOptions, source: str, extra: dict) -> dict:
     return {"config": _config_class(t.cls_model_config).from_pretrained(source, **trust)}
 
 
+def config_overrides(extra: dict, overrides: dict | None) -> None:
+    """Axolotl's ``model_config`` overrides, for from_pretrained's keyword arguments ``extra``: set on the config
+    object when one is passed (base_model_config, cls_model_config), as Axolotl sets them on the config it loads;
+    passed as keywords otherwise. from_pretrained applies keywords to a config it reads itself only: given a config
+    object it hands them to the model's __init__, which fails (``unexpected keyword argument``) on every rank."""
+    if extra.get("config") is None:
+        extra.update(overrides or {})
+        return
+    for key, value in (overrides or {}).items():
+        setattr(extra["config"], key, value)
+
+
 def install_loss(t: ObjectiveOptions, model) -> None:
     """BitNet layers and EAFT as the model's loss function (before the adapter and the layout)."""
     if t.use_onebitllms:
@@ -209,7 +221,7 @@ def llama4_experts(t: ObjectiveOptions):
             print(f"[nd_parallel] llama4_linearized_experts: {count} layers' fused experts split into Linears",
                   flush=True)
 
-    if checkpoint_experts(t.base_model) == "linearized":
+    if checkpoint_experts(t.base_model, getattr(t, "revision_of_model", None)) == "linearized":  # hub: its cache
         with linearized_class():
             yield lambda model: None
     else:

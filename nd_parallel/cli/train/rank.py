@@ -42,7 +42,7 @@ def _model(t: TrainConfig, tokenizer):
 
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
     extra.update(objective.config_kwargs(t, t.base_model_config or t.base_model, extra))  # cls_model_config
-    extra.update(t.model_config or {})  # from_pretrained sets these on the config (Axolotl's model_config)
+    objective.config_overrides(extra, t.model_config)  # Axolotl's model_config: set on the config that loads
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     auto = auto_class(t, extra)  # AutoModelForCausalLM, or a reward model's classification head (reward.py)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists

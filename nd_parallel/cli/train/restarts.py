@@ -107,6 +107,10 @@ def _relora(d: dict) -> list[str]:
     if d.get("lora_target_parameters"):
         out.append("relora with lora_target_parameters: the restart merges LoRA on Linear layers only; adapt the "
                    "linear layers (lora_target_modules) or drop relora")
+    if d.get("lora_modules_to_save"):  # checkpoint/export/adapter.py: the merged save covers LoRA layers only
+        out.append(f"relora with lora_modules_to_save={d['lora_modules_to_save']!r}: a ReLoRA run ends by saving "
+                   "the merged model, whose export merges LoRA layers, not trained copies of whole modules; drop "
+                   "lora_modules_to_save (LoRA on those modules via lora_target_modules is merged), or drop relora")
     if d.get("flash_attn_fuse_mlp"):  # Axolotl's rule
         out.append("relora with flash_attn_fuse_mlp: Axolotl refuses fused modules with ReLoRA; drop "
                    "flash_attn_fuse_mlp")
@@ -114,13 +118,31 @@ def _relora(d: dict) -> list[str]:
 
 
 def check_layout(t: RestartOptions, layout, path) -> None:
-    """DeepSpeed's pipeline engine builds its own layer modules: LISA's and ReLoRA's parameters are not there."""
+    """DeepSpeed's pipeline engine builds its own layer modules: LISA's and ReLoRA's parameters are not there. And
+    lisa_n_layers against a local checkpoint's layer count (the ranks' LISACallback would refuse it after loading)."""
     from nd_parallel.config import ConfigError
 
     uses = [k for k, on in (("lisa_n_layers", t.lisa_n_layers), ("relora", t.relora)) if on]
     if uses and layout.pp_size > 1 and layout.pp_backend == "deepspeed":
         raise ConfigError(f"{path}: {uses[0]} with pp_backend='deepspeed': DeepSpeed's engine builds its own layer "
                           "modules, whose parameters LISA / ReLoRA do not reach; use pp_backend: torch")
+    total = _decoder_layers(getattr(t, "base_model", None)) if t.lisa_layers_attribute == "model.layers" else None
+    if t.lisa_n_layers and total is not None and t.lisa_n_layers > total:
+        raise ConfigError(f"{path}: lisa_n_layers={t.lisa_n_layers}: {t.base_model} has {total} decoder layers "
+                          f"(num_hidden_layers); choose between 1 and {total}")
+
+
+def _decoder_layers(source) -> int | None:
+    """num_hidden_layers of a local checkpoint's config.json (None: no local config, or no such integer)."""
+    import json
+    import os
+
+    config = os.path.join(source, "config.json") if isinstance(source, str) else None
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        total = json.load(f).get("num_hidden_layers")
+    return total if isinstance(total, int) and not isinstance(total, bool) else None
 
 
 def callbacks(t: RestartOptions, trainer) -> list:
