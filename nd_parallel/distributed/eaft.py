@@ -20,6 +20,7 @@ cross-entropy is taken on fp32 logits (transformers' own upcast), where Axolotl'
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.nn as nn
@@ -57,6 +58,14 @@ def use_eaft_loss(model: nn.Module, alpha: float = 1.0, k: int = 20) -> None:
     if k < 1 or alpha < 0:
         raise ValueError(f"EAFT needs k >= 1 top logits and alpha >= 0, got k={k}, alpha={alpha}; Axolotl's "
                          "defaults are eaft_k: 20, eaft_alpha: 1.0")
+    try:  # a forward that computes its own cross-entropy would silently ignore the loss function set here
+        calls = "loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        calls = False
+    if not calls:
+        raise ValueError(f"use_eaft: {type(model).__name__}'s forward does not compute its loss with "
+                         "self.loss_function, so the entropy weights would not apply; train this model without "
+                         "use_eaft")
     model.loss_function = functools.partial(eaft_causal_lm_loss, alpha=alpha, k=k)
 
 

@@ -50,7 +50,8 @@ def to_bitnet(model: nn.Module) -> list[str]:
     in place; the names changed. Call after loading, before ``accelerator.prepare``; not with an adapter."""
     changed = []
     for name, module in model.named_modules():
-        if type(module) is nn.Linear and name.rpartition(".")[2] != "lm_head":
+        if isinstance(module, nn.Linear) and not isinstance(module, BitNetLinear) and name.rpartition(".")[2] != \
+                "lm_head":  # onebitllms' rule: any Linear (a subclass too, its own forward replaced), lm_head kept
             module.__class__ = BitNetLinear
             changed.append(name)
     return changed

@@ -285,3 +285,24 @@ def test_llama4_experts_of_a_hub_checkpoint_are_read_from_its_cached_index(tmp_p
         index.write_text(json.dumps({"weight_map": {key: "model-00001.safetensors"}}))
         assert checkpoint_experts("org/Llama-4-Linearized", revision="r1") == kind
     assert asked[0] == ("org/Llama-4-Linearized", "model.safetensors.index.json", "r1")
+
+
+def test_eaft_refuses_a_model_whose_forward_computes_its_own_loss():
+    """cpmant's forward takes a CrossEntropyLoss itself, never self.loss_function: EAFT would silently not apply."""
+    from transformers import CpmAntConfig, CpmAntForCausalLM
+
+    model = CpmAntForCausalLM(CpmAntConfig(vocab_size=32, hidden_size=8, num_attention_heads=2, dim_head=4,
+                                           dim_ff=16, num_hidden_layers=1, prompt_length=2, segment_types=2))
+    with pytest.raises(ValueError, match="CpmAntForCausalLM's forward does not compute its loss with"):
+        use_eaft_loss(model)
+
+
+def test_bitnet_takes_linear_subclasses_as_onebitllms_does():
+    from nd_parallel.models.bitnet import BitNetLinear, to_bitnet
+
+    class Own(torch.nn.Linear):
+        pass
+
+    model = torch.nn.ModuleDict({"a": Own(4, 4), "b": torch.nn.Linear(4, 4)})
+    assert sorted(to_bitnet(model)) == ["a", "b"] and all(type(m) is BitNetLinear for m in model.values())
+    assert to_bitnet(model) == []  # already converted

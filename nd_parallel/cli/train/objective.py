@@ -176,7 +176,8 @@ def config_kwargs(t: ObjectiveOptions, source: str, extra: dict) -> dict:
     if not t.cls_model_config:
         return {}
     trust = {"trust_remote_code": extra["trust_remote_code"]} if "trust_remote_code" in extra else {}
-    return {"config": _config_class(t.cls_model_config).from_pretrained(source, **trust)}
+    revision = {"revision": t.revision_of_model} if getattr(t, "revision_of_model", None) else {}  # as Axolotl's
+    return {"config": _config_class(t.cls_model_config).from_pretrained(source, **trust, **revision)}
 
 
 def config_overrides(extra: dict, overrides: dict | None) -> None:
