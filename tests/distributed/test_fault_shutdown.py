@@ -19,8 +19,11 @@ DRIVER = ("import sys; from nd_parallel.fault.launch import launch; "
 
 
 def start_and_signal(sig, model, out, options):
+    # SIGINT at its default in the driver: a suite started in the background by a non-interactive shell inherits it
+    # ignored (POSIX), and Python then raises no KeyboardInterrupt, as a terminal's Ctrl-C would
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, "spin", model, str(out), json.dumps(options)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 150
     while time.time() < deadline:  # both ranks are stepping (their dataloader workers are up)
         if {e["rank"] for e in events(out) if e["event"] == "step"} == {0, 1}:
