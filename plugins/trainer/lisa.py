@@ -11,8 +11,8 @@ Two choices made for the layouts, neither changing what is trained:
 
 - **The draw.** Axolotl draws from numpy's global generator, whose position depends on whatever else used it;
   here each switch draws from a generator seeded with (seed, step), so every rank (and one process) draws the
-  same layers, and a resumed run the same ones as the run it resumes (it starts with the last switch's draw). Same distribution: a uniform choice of
-  ``lisa_n_layers`` distinct layers.
+  same layers, and a resumed run the same ones as the run it resumes (it starts with the last switch's draw). Same
+  distribution: a uniform choice of ``lisa_n_layers`` distinct layers.
 - **Which parameters.** The layers are found by parameter name (``<lisa_layers_attribute>.<index>.``), on the model
   the layout prepared: nd_parallel keeps Hugging Face names under FSDP2, TP, CP and PP, and under PP a stage
   simply holds only some of the layers, so each rank freezes and unfreezes the ones it owns.

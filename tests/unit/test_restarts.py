@@ -50,7 +50,8 @@ if which == "axolotl":
     from axolotl.utils.callbacks.lisa import lisa_callback_factory
     layers = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(4))
     trainer = SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(layers=layers)),
-                              args=SimpleNamespace(lisa_n_layers=1, lisa_step_interval=3, lisa_layers_attribute="model.layers"))
+                              args=SimpleNamespace(lisa_n_layers=1, lisa_step_interval=3,
+                                                   lisa_layers_attribute="model.layers"))
     cb = lisa_callback_factory(trainer); seen = []
     cb.switch_active_layers = lambda: seen.append(step)
     for step in range(10):
@@ -78,7 +79,8 @@ with torch.no_grad():
     if which == "axolotl":
         from axolotl.monkeypatch.relora import merge_and_save, reset_optimizer
         merge_and_save(model, "-", "-", reinit=True, quantized=False)
-        reset_optimizer(opt, reset_params=lora, optimizer_state_keys=["exp_avg", "exp_avg_sq"], prune_method="magnitude", prune_ratio=0.9)
+        reset_optimizer(opt, reset_params=lora, optimizer_state_keys=["exp_avg", "exp_avg_sq"],
+                        prune_method="magnitude", prune_ratio=0.9)
     else:
         from nd_parallel.plugins.trainer.relora import merge_and_reinit, prune_moments
         merge_and_reinit(model, 0, 2)

@@ -29,7 +29,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass(kw_only=True)
-class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions):  # restarts.py: lisa_*, relora*, jagged_*
+class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions):  # lisa_*, relora*
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
