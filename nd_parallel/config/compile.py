@@ -34,11 +34,6 @@ class CompileOptions:
                 "compile=True with activation_checkpointing='selective': selective checkpointing decides per aten op "
                 "what to keep, and a compiled layer runs fused kernels it cannot see; use activation_checkpointing="
                 "'full' (the compiled layer is recomputed whole) or compile=False")
-        offloads = [k for k in ("activation_offloading", "tiled_mlp") if getattr(self, k, False)]
-        if offloads:
-            raise ConfigError(
-                f"compile=True with {' and '.join(f'{k}=True' for k in offloads)} is not supported yet: their saved-tensor "
-                "hooks and checkpointed tiles have not been run inside a compiled layer; use compile=False with them")
         if getattr(self, "ep_size", 1) > 1:
             raise ConfigError(
                 "compile=True with ep_size > 1 is not supported yet: the experts' all-to-all dispatch has not been "

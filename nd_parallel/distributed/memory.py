@@ -45,7 +45,9 @@ def _to_host(t: torch.Tensor):
     if not _movable(t):
         return None, t
     pin = t.device.type == "cuda"
-    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+    # empty_like keeps the strides of a dense tensor (a permuted one included): a compiled (inductor) backward
+    # asserts the strides of what its forward saved, and a contiguous copy would fail there.
+    host = torch.empty_like(t, device="cpu", pin_memory=pin)
     host.copy_(t, non_blocking=pin)  # same stream as the copy back: ordered without a sync
     return t.device, host
 
@@ -103,10 +105,9 @@ def apply_activation_offloading(part: nn.Module) -> int:
     for layer in decoder_layers(part):
         if isinstance(layer.forward, OffloadedForward):
             continue
-        current = layer.forward
-        if not isinstance(current, CheckpointedForward):
-            current = functools.partial(type(layer).forward, layer)
-        layer.forward = OffloadedForward(current)
+        # The layer's current forward: its class's, or the compiled / checkpointed one set on the instance (the
+        # class's forward here would silently drop a compiled layer's compilation).
+        layer.forward = OffloadedForward(layer.forward)
         wrapped += 1
     logger.info("applied activation offloading to host memory to %d layers", wrapped)
     return wrapped
