@@ -3,7 +3,8 @@
 Refusals come from the config and the checks before any collective. Parity in one process: the ``aot_eager``
 backend (dynamo + AOTAutograd, no code generation) is bit-equal to eager, with activation checkpointing too; the
 inductor backend fuses fp32 math into C++ kernels, which reorders sums, so it is held to a tolerance derived in
-``test_inductor_matches_eager_within_fusion_rounding``. Layouts (FSDP2, TP2, FSDP2 x TP2, CP2, PP2) are rows of the parity matrix.
+``test_inductor_matches_eager_within_fusion_rounding``. Layouts (FSDP2, TP2, FSDP2 x TP2, CP2, PP2) are rows of the
+parity matrix. The memory options (activation offloading, tiled MLP) around / inside compiled layers: one process.
 """
 
 import shutil
