@@ -24,7 +24,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7", "trl>=1.9,<2",
-                 "bitsandbytes>=0.50.2,<0.51", "mistral-common>=1.11.5,<2", "torchao>=0.17,<0.19", "scipy>=1.11"],
+                 "bitsandbytes>=0.50.2,<0.51", "mistral-common[opencv]>=1.11.5,<2", "torchao>=0.17,<0.19",
+                 "scipy>=1.11"],
         "bench": ["matplotlib>=3.7"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         # TRL's SFTTrainer under every layout (plugins/trainer/sft.py): 1.9 is what Axolotl 0.19 pins, 1.16 is tested
@@ -36,8 +37,9 @@ setup(
         # requires for init_lora_weights="loftq"
         "loftq": ["bitsandbytes>=0.50.2,<0.51", "scipy>=1.11"],
         # tokenizer_use_mistral_common (tekken.json through transformers' MistralCommonBackend). 1.11.5: Axolotl 0.19's
-        # pin and transformers' minimum; pulls no torch (it caps numpy below 2.4 on Python <= 3.12).
-        "mistral": ["mistral-common>=1.11.5,<2"],
+        # pin and transformers' minimum; pulls no torch (it caps numpy below 2.4 on Python <= 3.12). [opencv]: its
+        # image encoder (processor_type with tokenizer_use_mistral_common) resizes with OpenCV (headless wheel).
+        "mistral": ["mistral-common[opencv]>=1.11.5,<2"],
         # Quantization-aware training (qat:, models/qat.py): 0.17 is Axolotl 0.19's pin, 0.18 is tested; pure Python
         # on CPU (its CUDA extensions are optional), it pulls no second torch.
         "qat": ["torchao>=0.17,<0.19"],

@@ -3,7 +3,10 @@
 ``save_tiny_vlm("llava" | "gemma3", DIR)`` writes a randomly initialised model (CLIP + Llama / SigLIP + Gemma 3
 text, TINY's text sizes), our tiny BPE tokenizer with the family's image special tokens, and the family's processor
 (image processor + tokenizer + ChatML template), each saved with save_pretrained so that AutoProcessor and
-AutoModelForImageTextToText load them back as a user's checkpoint. ``write_images`` saves random-pixel PNGs.
+AutoModelForImageTextToText load them back as a user's checkpoint. ``save_tiny_mistral3(DIR)`` writes a Mistral 3
+(Pixtral vision + Mistral text) whose tokenizer is mistral-common's tekken.json with an image section, as Mistral's
+own vision checkpoints ship it (Axolotl's `tokenizer_use_mistral_common` runs). ``write_images`` saves random-pixel
+PNGs.
 """
 
 from __future__ import annotations
@@ -74,6 +77,31 @@ def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> Path:
         raise ValueError(f"no tiny vision-language model for {family!r}; use llava or gemma3")
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
+    return directory
+
+
+def save_tiny_mistral3(directory: str | Path, seed: int = 0) -> Path:
+    """A tiny Mistral3ForConditionalGeneration with a tekken.json that encodes images: 4-pixel patches merged 2x2
+    into one [IMG] token (``spatial_merge_size`` 2, as the real models), images scaled to at most 32 pixels a side."""
+    import json
+
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from .tekken import write_tiny_tekken
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tekken = directory / "tekken.json"
+    vocab = write_tiny_tekken(tekken, make_text(80, seed=11))
+    data = json.loads(tekken.read_text())
+    data["image"] = {"image_patch_size": VISION["patch_size"], "max_image_size": 32, "spatial_merge_size": 2}
+    tekken.write_text(json.dumps(data))
+    torch.manual_seed(seed)
+    vision = PixtralVisionConfig(**{**VISION, "image_size": 32})
+    config = Mistral3Config(vision_config=vision, text_config=MistralConfig(**{**TINY, "vocab_size": vocab,
+                                                                                 "tie_word_embeddings": False}),
+                            image_token_index=10, spatial_merge_size=2, tie_word_embeddings=False)  # [IMG] is 10
+    Mistral3ForConditionalGeneration(config).save_pretrained(directory)
     return directory
 
 

@@ -77,10 +77,6 @@ def multimodal_refusals(d: dict, layout) -> list[str]:
     if d.get("sample_packing"):
         out.append("sample_packing=True with processor_type: packing multimodal rows is not supported (Axolotl refuses "
                    "it too: its image features follow each row's own tokens); set sample_packing: false")
-    if d.get("tokenizer_use_mistral_common"):
-        out.append("tokenizer_use_mistral_common=True with processor_type: the ranks process images with the "
-                   "checkpoint's Hugging Face processor, not mistral-common's (Axolotl's Mistral3Processor); drop "
-                   "tokenizer_use_mistral_common to train with the HF processor and its chat template")
     if d.get("rl"):
         out.append(f"rl={d['rl']!r} with processor_type: preference training of vision-language models is not "
                    "implemented; drop rl (supervised fine-tuning) or processor_type")

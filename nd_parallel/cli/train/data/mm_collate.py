@@ -122,6 +122,10 @@ class MultimodalCollator:
         return self.processor.apply_chat_template(messages, chat_template=s.template, tokenize=False)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if self.settings.name == "mistral_common":  # mistral-common renders and encodes images itself
+            from .mm_mistral import batch
+
+            return batch(self.processor, [json.loads(r["mm"])["messages"] for r in rows], self.settings, load_image)
         texts, images = [], []
         for row in rows:
             messages = json.loads(row["mm"])["messages"]

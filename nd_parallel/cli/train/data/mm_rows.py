@@ -149,9 +149,15 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     from .mm_collate import SETTINGS_FILE, MMSettings
     from .mm_templates import template_for
 
-    processor = load_processor(cfg)
-    template, name = template_for(cfg.chat_template, cfg.chat_template_jinja, processor.tokenizer)
-    if template is None and not getattr(processor, "chat_template", None):
+    if cfg.tokenizer_use_mistral_common:  # mistral-common's tokenizer is the processor (mm_mistral.py)
+        from . import mm_mistral
+
+        processor = mm_mistral.load(cfg.tokenizer_config or cfg.base_model)[0]
+        template, name = None, mm_mistral.NAME
+    else:
+        processor = load_processor(cfg)
+        template, name = template_for(cfg.chat_template, cfg.chat_template_jinja, processor.tokenizer)
+    if name is None and template is None and not getattr(processor, "chat_template", None):
         raise ConfigError(f"chat_template={cfg.chat_template!r}: the processor of {cfg.base_model} has no chat "
                           "template; name one (e.g. chat_template: chatml, llava, qwen2_vl, gemma3)")
     first = cfg.datasets[0]  # Axolotl's strategy reads the first entry's roles_to_train / train_on_eos
@@ -165,7 +171,12 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
         lines.append(line)
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     check_imageless(cfg, merged, dp)
-    check_rendering(processor, settings, merged)
+    if name == "mistral_common":
+        from .mm_mistral import check_rows
+
+        check_rows(processor, merged, ", ".join(lines))
+    else:
+        check_rendering(processor, settings, merged)
     if cfg.shuffle_merged_datasets and len(parts) > 1:
         merged = merged.shuffle(seed=cfg.seed)
     train, evals = split(merged, cfg)
@@ -174,10 +185,11 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     if evals is not None:
         evals.save_to_disk(str(out / "eval"))
     processor.save_pretrained(str(out / "processor"))
-    processor.tokenizer.save_pretrained(str(out / "tokenizer"))
+    (processor if name == "mistral_common" else processor.tokenizer).save_pretrained(str(out / "tokenizer"))
     (out / "processor" / SETTINGS_FILE).write_text(json.dumps(settings.__dict__))
     how = f"processor {type(processor).__name__} of {cfg.tokenizer_config or cfg.base_model}, template " + (
-        name or ("chat_template_jinja" if template else "the processor's own"))
+        "mistral-common's" if name == "mistral_common" else name or (
+            "chat_template_jinja" if template else "the processor's own"))
     return str(out), how, lines, len(train), len(evals) if evals is not None else 0
 
 
@@ -189,6 +201,10 @@ def load_prepared_processor(path: str, trust_remote_code: bool | None = None):
 
     root = Path(path) / "processor"
     settings = MMSettings(**json.loads((root / SETTINGS_FILE).read_text()))
+    if settings.name == "mistral_common":
+        from .mistral import load_tokenizer
+
+        return load_tokenizer(root)[0], settings
     extra = {} if trust_remote_code is None else {"trust_remote_code": trust_remote_code}
     return AutoProcessor.from_pretrained(str(root), **extra), settings
 
