@@ -1,7 +1,8 @@
 """Tiny vision-language checkpoints and synthetic images, built locally (no hub), for the multimodal tests.
 
-``save_tiny_vlm("llava" | "gemma3", DIR)`` writes a randomly initialised model (CLIP + Llama / SigLIP + Gemma 3
-text, TINY's text sizes), our tiny BPE tokenizer with the family's image special tokens, and the family's processor
+``save_tiny_vlm("llava" | "gemma3" | "mllama", DIR)`` writes a randomly initialised model (CLIP + Llama / SigLIP +
+Gemma 3 text / Llama 3.2 Vision's tiled encoder + cross-attention text model, TINY's text sizes), our tiny BPE
+tokenizer with the family's image special tokens, and the family's processor
 (image processor + tokenizer + ChatML template), each saved with save_pretrained so that AutoProcessor and
 AutoModelForImageTextToText load them back as a user's checkpoint. ``save_tiny_mistral3(DIR)`` writes a Mistral 3
 (Pixtral vision + Mistral text) whose tokenizer is mistral-common's tekken.json with an image section, as Mistral's
@@ -18,7 +19,7 @@ import torch
 from .models import TINY, make_text
 
 # The family's image tokens, added to the tokenizer as special tokens (ids above the BPE's, below 256).
-SPECIALS = {"llava": ["<image>"],
+SPECIALS = {"llava": ["<image>"], "mllama": ["<|image|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
             "gemma3": ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>",
                        "<end_of_turn>"]}
 _GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
@@ -73,8 +74,29 @@ def save_tiny_vlm(family: str, directory: str | Path, seed: int = 0) -> Path:
         model = Gemma3ForConditionalGeneration(config)
         processor = Gemma3Processor(Gemma3ImageProcessor(size={"height": 16, "width": 16}), tokenizer,
                                     image_seq_length=4, chat_template=tokenizer.chat_template)
+    elif family == "mllama":  # Llama 3.2 Vision: 16x16 tiles (up to 2) of 4x4 patches, cross-attention in layer 1
+        from transformers import (
+            MllamaConfig,
+            MllamaForConditionalGeneration,
+            MllamaImageProcessorPil,
+            MllamaProcessor,
+            MllamaTextConfig,
+            MllamaVisionConfig,
+        )
+
+        vision = MllamaVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                                    attention_heads=2, image_size=16, patch_size=4, max_num_tiles=2,
+                                    intermediate_layers_indices=[0], vision_output_dim=64,
+                                    supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]])
+        config = MllamaConfig(vision_config=vision, text_config=MllamaTextConfig(
+            **{k: v for k, v in text.items() if k != "head_dim"}, cross_attention_layers=[1], pad_token_id=0,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
+            image_token_index=ids["<|image|>"])
+        model = MllamaForConditionalGeneration(config)
+        processor = MllamaProcessor(MllamaImageProcessorPil(size={"height": 16, "width": 16}, max_image_tiles=2),
+                                    tokenizer, chat_template=tokenizer.chat_template)
     else:
-        raise ValueError(f"no tiny vision-language model for {family!r}; use llava or gemma3")
+        raise ValueError(f"no tiny vision-language model for {family!r}; use llava, gemma3 or mllama")
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return directory

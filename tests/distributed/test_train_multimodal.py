@@ -13,7 +13,10 @@ they are replicated) and with freeze_mm_modules (they stay exactly as loaded), G
 role masking, Gemma 3 + LoRA with freeze_mm_modules, and Gemma 3's image-text class trained on text rows without a
 processor (model_type: Gemma3ForConditionalGeneration, as Axolotl's Llama 4 text YAMLs run their class), and Mistral
 3 (Pixtral + Mistral) + LoRA through mistral-common (tokenizer_use_mistral_common: its tekken.json encodes the images,
-data/mm_mistral.py). DDP runs for two variants only (its data path is FSDP2's).
+data/mm_mistral.py), and Llama 3.2 Vision (Mllama: tiled images, cross-attention layers) + LoRA with the
+llama3_2_vision template (drop_system_message, as that template takes no system message beside images; every row
+with an image, as its cross-attention layers run only with images). DDP runs for two variants only (its data path is
+FSDP2's).
 Gradient accumulation 2, linear LR, seed 0, 3 steps, no epoch end. All parallel runs share ONE 2-rank launch,
 the references one process; for dp 2 the reference's micro_batch_size is doubled (the same global batches).
 
@@ -24,7 +27,8 @@ changes matmul shapes but no real token's value). A wrong label mask, a lost ima
 rows or a vision tower that does not train moves the loss or the tensors by orders of magnitude more (checked: the
 full-fine-tuning runs' patch embedding and projector move by > 1e-4, and LoRA's B leaves zero). Measured: losses
 within 2e-7 relative, saved tensors within 1e-6 (2026-12-03, 15 runs, about 3.5 min on 2 CPU cores; 2026-12-04,
-16 runs with Mistral 3 through mistral-common: FSDP2 loss 8.3e-8 / tensors 5.9e-8, TP2 0 / 4.9e-7; 74 s).
+17 runs with Mistral 3 through mistral-common: FSDP2 loss 8.3e-8 / tensors 5.9e-8, TP2 0 / 4.9e-7, and Mllama
+FSDP2: loss 0 / tensors 1.1e-7; 55 s on a quiet machine).
 """
 
 import base64
@@ -53,13 +57,16 @@ VARIANTS = {"llava_lora": ("llava", dict(chat_template="llava", **LORA)),
             "gemma3_full": ("gemma3", dict(chat_template="gemma3")),
             "gemma3_lora_frozen": ("gemma3", dict(chat_template="gemma3", freeze_mm_modules=True, **LORA)),
             "gemma3_text_lora": ("gemma3", TEXT_ONLY),
-            "mistral3_mc_lora": ("mistral3", dict(tokenizer_use_mistral_common=True, **LORA))}
+            "mistral3_mc_lora": ("mistral3", dict(tokenizer_use_mistral_common=True, **LORA)),
+            "mllama_lora": ("mllama", dict(chat_template="llama3_2_vision", **LORA))}
 LAYOUTS = {"fsdp2": ({"dp_shard_size": 2}, 2), "ddp": ({"dp_replicate_size": 2}, 2),
            "tp2": ({"tensor_parallel_size": 2}, 1)}
 # DDP shares FSDP2's data path (each rank its own rows): two variants run it, one with images, one with image-less
 # micro-batches on one rank
 DDP = ("llava_lora", "gemma3_full")
-CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS if lay != "ddp" or v in DDP]
+NO_TP = ("mllama_lora",)  # transformers gives Mllama no tp_plan: tensor_parallel_size > 1 is refused for it
+CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS
+         if (lay != "ddp" or v in DDP) and (lay != "tp2" or v not in NO_TP)]
 
 
 def _rows(root, n: int = 48, text_only: bool = False) -> list[dict]:
@@ -92,7 +99,7 @@ def _rows(root, n: int = 48, text_only: bool = False) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("train_multimodal")
-    models = {family: str(save_tiny_vlm(family, root / family, seed=1)) for family in ("llava", "gemma3")}
+    models = {family: str(save_tiny_vlm(family, root / family, seed=1)) for family in ("llava", "gemma3", "mllama")}
     models["mistral3"] = str(save_tiny_mistral3(root / "mistral3", seed=1))
     (root / "mm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root)))
     (root / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(root, text_only=True)))
@@ -101,9 +108,13 @@ def runs(tmp_path_factory):
                                                                        {"role": "assistant", "content": b}]}) + "\n"
                                             for a, b in zip(make_text(48, seed=6), make_text(48, seed=7))))
     for variant, (family, keys) in VARIANTS.items():
-        data = "text.jsonl" if keys is TEXT_ONLY else "mm.jsonl" if variant.endswith("_full") else "mixed.jsonl"
-        shared = {**({} if keys is TEXT_ONLY else BASE), **keys, "base_model": models[family],
-                  "datasets": [{"path": str(root / data), "type": "chat_template"}]}
+        # mllama: every row holds an image (its cross-attention layers run only with images: mm_rows.check_imageless)
+        data = "text.jsonl" if keys is TEXT_ONLY else "mm.jsonl" if variant.endswith("_full") or family == "mllama" \
+            else "mixed.jsonl"
+        entry = {"path": str(root / data), "type": "chat_template"}
+        if family == "mllama":  # Llama 3.2 Vision's template takes no system message beside images
+            entry["drop_system_message"] = True
+        shared = {**({} if keys is TEXT_ONLY else BASE), **keys, "base_model": models[family], "datasets": [entry]}
         for layout, (sizes, _) in LAYOUTS.items():
             if (variant, layout) not in CASES:
                 continue

@@ -40,7 +40,6 @@ def test_axolotls_multimodal_keys_are_read(tmp_path):
     ("sample_packing: true\n", "sample_packing=True with processor_type: packing multimodal rows is not supported"),
     ("pipeline_parallel_size: 2\n", "pipeline_parallel_size=2 with processor_type: the vision tower"),
     ("context_parallel_size: 2\n", "context_parallel_size=2 with processor_type: a sequence shard holds only part"),
-    ("chat_template: llama3_2_vision\n", "chat_template='llama3_2_vision': our own Jinja for it is not written yet"),
     ("image_size: [1, 2, 3]\n", "image_size=[1, 2, 3]: write an integer"),
     ("image_resize_algorithm: nearest\n", "image_resize_algorithm='nearest': use one of bilinear"),
     ("processor_type: VoxtralProcessor\n", "processor_type='VoxtralProcessor': audio inputs are not implemented"),
@@ -126,7 +125,7 @@ def processors(tmp_path_factory):
     from transformers import AutoProcessor
 
     root = tmp_path_factory.mktemp("vlm")
-    return {f: AutoProcessor.from_pretrained(save_tiny_vlm(f, root / f)) for f in ("llava", "gemma3")}
+    return {f: AutoProcessor.from_pretrained(save_tiny_vlm(f, root / f)) for f in ("llava", "gemma3", "mllama")}
 
 
 def _kept(processor, settings: MMSettings, images, **row) -> tuple[str, str]:
@@ -228,7 +227,7 @@ def test_pixtral_template_drops_the_system_prompt_of_a_finished_conversation():
     assert render(messages=flat[:3], bos_token="<s>", eos_token="</s>") == "<s>[INST][IMG]hi[/INST]ok</s>"
 
 
-def test_rows_without_an_image_are_refused_where_the_vision_tower_trains_over_dp_ranks():
+def test_rows_without_an_image_are_refused_where_the_vision_tower_trains_over_dp_ranks(tmp_path):
     import datasets
 
     from nd_parallel.cli.train.config import TrainConfig
@@ -236,16 +235,25 @@ def test_rows_without_an_image_are_refused_where_the_vision_tower_trains_over_dp
 
     rows = datasets.Dataset.from_list([{"mm": json.dumps({"messages": [{"role": "user", "content": c}]})} for c in (
         [{"type": "text", "text": "a"}], [{"type": "image", "path": "x.png"}])])
-    full = TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor")
+    # Llama 3.2 Vision skips its cross-attention layers without images: refused over dp ranks whatever trains
+    mllama = str(save_tiny_vlm("mllama", tmp_path / "mllama"))
+    for frozen in (dict(freeze_mm_modules=True), dict(adapter="lora", lora_target_modules=["q_proj"])):
+        with pytest.raises(ConfigError, match=r"1 of 2 multimodal rows have no image, over 2 data-parallel ranks: "
+                                              r"the cross-attention layers \[1\] of MllamaConfig run only"):
+            check_imageless(TrainConfig(base_model=mllama, datasets=[], processor_type="AutoProcessor", **frozen),
+                            rows, dp=2)
+    check_imageless(TrainConfig(base_model=mllama, datasets=[], processor_type="AutoProcessor"), rows, dp=1)
+    full = TrainConfig(base_model=str(tmp_path), datasets=[], processor_type="AutoProcessor")  # no config there
     with pytest.raises(ConfigError, match=r"1 of 2 multimodal rows have no image, and the vision tower trains over 2 "
                                           r"data-parallel ranks.*set freeze_mm_modules: true"):
         check_imageless(full, rows, dp=2)
     check_imageless(full, rows, dp=1)  # one rank (or TP): every rank sees the same rows
     for fine in (dict(freeze_mm_modules=True), dict(adapter="lora", lora_target_modules=["q_proj"])):
-        check_imageless(TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor", **fine), rows, dp=2)
+        check_imageless(TrainConfig(base_model=str(tmp_path), datasets=[], processor_type="AutoProcessor", **fine),
+                        rows, dp=2)
     with pytest.raises(ConfigError):  # LoRA on every Linear adapts the vision tower's too
-        check_imageless(TrainConfig(base_model="m", datasets=[], processor_type="AutoProcessor", adapter="lora",
-                                    lora_target_linear=True), rows, dp=2)
+        check_imageless(TrainConfig(base_model=str(tmp_path), datasets=[], processor_type="AutoProcessor",
+                                    adapter="lora", lora_target_linear=True), rows, dp=2)
 
 
 def test_a_template_that_drops_images_is_refused_before_the_ranks(processors, images):
@@ -264,6 +272,37 @@ def test_a_template_that_drops_images_is_refused_before_the_ranks(processors, im
 
 
 
+def _raise(message):
+    raise ValueError(message)
+
+
+def test_llama3_2_vision_writes_the_date_without_images_and_refuses_a_system_message_beside_them(processors, images):
+    """Meta's format: a conversation without images opens with the dated system turn (the date the parent read,
+    the same on every rank; today's where none is given); one with images has no system turn, and a system message
+    beside images is refused before any rank starts (drop_system_message is the fix)."""
+    from nd_parallel.cli.train.data.mm_rows import check_rendering
+
+    template, name = template_for("llama3_2_vision", None, None)
+    text = [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}]
+    collator = MultimodalCollator(processors["mllama"], MMSettings(template=template, name=name,
+                                                                   date_string="01 Jan 2000"))
+    assert collator.render(text) == ("<s><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                                     "December 2023\nToday Date: 01 Jan 2000\n\n<|eot_id|><|start_header_id|>user"
+                                     "<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+                                     "\n\nyo<|eot_id|>")
+    import datetime
+
+    undated = MultimodalCollator(processors["mllama"], MMSettings(template=template, name=name)).render(text)
+    assert "Today Date: " + datetime.datetime.now().strftime("%d %b %Y") in undated
+    image = {"role": "user", "content": [{"type": "image", "path": str(images[0])}, {"type": "text", "text": "hi"}]}
+    assert collator.render([image, text[1]]).startswith("<s><|start_header_id|>user<|end_header_id|>\n\n<|image|>hi")
+    system = {"role": "system", "content": [{"type": "text", "text": "be brief"}]}
+    rows = {"mm": [json.dumps({"messages": text}), json.dumps({"messages": [system, image, text[1]]})]}
+    with pytest.raises(ConfigError, match="conversation 1: chat_template='llama3_2_vision' takes no system message"):
+        check_rendering(processors["mllama"], MMSettings(template=template, name=name), rows)
+
+
 _AXOLOTL_LABELS = """
 import json, sys
 import torch
@@ -272,18 +311,20 @@ from axolotl.processing_strategies import get_processing_strategy
 out = []
 for spec in json.loads(sys.argv[1]):
     processor = AutoProcessor.from_pretrained(spec["dir"])
-    strategy = get_processing_strategy(processor, None, spec["template"], **spec["kw"])
+    strategy = get_processing_strategy(processor, None, spec["chat_template"], **spec["kw"])
     out.append(strategy.process_labels(torch.tensor(spec["ids"])).tolist())
 from axolotl.utils.chat_templates import get_chat_template
 from transformers.utils.chat_template_utils import _compile_jinja_template
 conversations = json.loads(sys.argv[2])
-renders = {name: [_compile_jinja_template(get_chat_template(name)).render(messages=c, bos_token="<s>", eos_token="</s>")
-                  for c in conversations] for name in ("llava", "qwen2_vl", "pixtral")}
+renders = {name: [_compile_jinja_template(get_chat_template(name)).render(
+    messages=c, bos_token="<s>", eos_token="</s>", date_string="04 Dec 2026") for c in conversations]
+    for name in ("llava", "qwen2_vl", "pixtral", "llama3_2_vision")}
 print(json.dumps([out, renders]))
 """
 _CASES = [("gemma3", {}), ("gemma3", {"train_on_eos": "all"}),
           ("gemma3", {"train_on_eos": "last", "roles_to_train": ["user", "assistant"]}),
-          ("gemma3", {"train_on_inputs": True}), ("llava", {})]
+          ("gemma3", {"train_on_inputs": True}), ("llava", {}), ("mllama", {}), ("mllama", {"train_on_eos": "none"})]
+_TEMPLATE = {"mllama": "llama3_2_vision"}
 
 
 def test_labels_and_templates_equal_axolotls(processors, images, tmp_path):
@@ -293,6 +334,7 @@ def test_labels_and_templates_equal_axolotls(processors, images, tmp_path):
     from jinja2 import Template
 
     from nd_parallel.cli.train.data.mm_templates import IMAGE_MARKS, IMAGES_FIRST, flatten
+    from nd_parallel.cli.train.data.templates import MM_JINJA
     from tests.unit.axolotl_venv import run_in_axolotl
 
     turns = [{"role": "user", "content": [{"type": "image", "path": str(images[0])}, {"type": "text", "text": "what"}]},
@@ -301,11 +343,12 @@ def test_labels_and_templates_equal_axolotls(processors, images, tmp_path):
              {"role": "assistant", "content": [{"type": "text", "text": "two"}]}]
     specs, ours = [], []
     for family, kw in _CASES:
-        template, name = template_for(family, None, None)
+        template, name = template_for(_TEMPLATE.get(family, family), None, None)
         collator = MultimodalCollator(processors[family], MMSettings(template=template, name=name, **kw))
         batch = collator([{"mm": json.dumps({"messages": turns})}, {"mm": json.dumps({"messages": turns[:2]})}])
         processors[family].save_pretrained(tmp_path / family)
-        specs.append({"dir": str(tmp_path / family), "template": family, "kw": kw, "ids": batch["input_ids"].tolist()})
+        specs.append({"dir": str(tmp_path / family), "chat_template": _TEMPLATE.get(family, family), "kw": kw,
+                      "ids": batch["input_ids"].tolist()})
         ours.append(batch["labels"].tolist())
     text = [{"type": "text", "text": "be brief"}]
     conversations = [[{**t, "content": [{"type": "image"} if "path" in i else i for i in t["content"]]} for t in turns],
@@ -315,5 +358,8 @@ def test_labels_and_templates_equal_axolotls(processors, images, tmp_path):
         assert a == b, case
     for name, rendered in renders.items():
         template = Template(template_for(name, None, None)[0])
-        assert [template.render(messages=flatten(c, IMAGE_MARKS[name], name in IMAGES_FIRST), bos_token="<s>",
-                                eos_token="</s>") for c in conversations] == rendered, name
+        template.globals["raise_exception"] = _raise
+        items = name in MM_JINJA  # a template that reads the content items (llama3_2_vision)
+        assert [template.render(messages=c if items else flatten(c, IMAGE_MARKS[name], name in IMAGES_FIRST),
+                                bos_token="<s>", eos_token="</s>", date_string="04 Dec 2026")
+                for c in conversations] == rendered, name

@@ -169,7 +169,8 @@ def test_cp_on_a_local_mamba_hybrid_is_refused_before_any_rank_starts(tmp_path):
     for family in ("nemotron_h", "llama"):
         tiny_config(family).save_pretrained(tmp_path / family)
     cfg = SimpleNamespace(base_model=str(tmp_path / "nemotron_h"), base_model_config=None, trust_remote_code=True,
-                          qat=None, model_config={"output_router_logits": False})
+                          qat=None, model_config={"output_router_logits": False}, processor_type=None,
+                          model_type=None)
     cp2 = ParallelismConfig(dp_shard_size=1, cp_size=2).resolve(2)
     with pytest.raises(ConfigError, match=r"c.yml: context_parallel_size=2 with base_model .*nemotron_h: "
                                           r"NemotronHForCausalLM mixes tokens along the sequence outside attention: "
@@ -179,3 +180,25 @@ def test_cp_on_a_local_mamba_hybrid_is_refused_before_any_rank_starts(tmp_path):
     check_local_model(SimpleNamespace(**{**vars(cfg), "base_model": str(tmp_path / "llama")}), cp2, "c.yml")
     hub = SimpleNamespace(**{**vars(cfg), "base_model": "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"})
     check_local_model(hub, cp2, "c.yml")  # not local: the ranks check the loaded model
+
+
+def test_tp_on_a_local_model_without_a_tp_plan_is_refused_before_any_rank_starts(tmp_path):
+    """Llama 3.2 Vision (Mllama): transformers gives it no tp_plan; the ranks refused tensor_parallel_size=2 after
+    launch, build_job now refuses it from the local config.json (meta device, the class the ranks load)."""
+    from types import SimpleNamespace
+
+    from nd_parallel.cli.train.job import check_local_model
+    from nd_parallel.config import ConfigError
+    from nd_parallel.testing.multimodal import save_tiny_vlm
+
+    mllama = save_tiny_vlm("mllama", tmp_path / "mllama")
+    tiny_config("llama").save_pretrained(tmp_path / "llama")
+    cfg = SimpleNamespace(base_model=str(mllama), base_model_config=None, trust_remote_code=None, qat=None,
+                          model_config=None, processor_type="AutoProcessor", model_type=None)
+    tp2 = ParallelismConfig(tp_size=2).resolve(2)
+    with pytest.raises(ConfigError, match=r"c.yml: tensor_parallel_size=2 with base_model .*mllama: "
+                                          r"MllamaForConditionalGeneration has no tp_plan"):
+        check_local_model(cfg, tp2, "c.yml")
+    check_local_model(cfg, ParallelismConfig(dp_shard_size=2).resolve(2), "c.yml")  # no TP: no check
+    llama = SimpleNamespace(**{**vars(cfg), "base_model": str(tmp_path / "llama"), "processor_type": None})
+    check_local_model(llama, tp2, "c.yml")  # Llama has a tp_plan

@@ -208,20 +208,35 @@ def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None
     """The ranks' model checks that a local config.json can answer, made on the meta device before any rank starts:
     CP on a model that mixes tokens outside attention (a Mamba mixer, a short convolution:
     context_parallel.hf.check_sequence_mixing; Axolotl's examples/nemotron-h/nano-30b-a3b-qlora-cp.yaml stopped
-    on the ranks), and QAT groups that do not divide a layer's input features (models.qat)."""
+    on the ranks), QAT groups that do not divide a layer's input features (models.qat), and TP on a model without a
+    tp_plan (Mllama, for one)."""
     source = cfg.base_model_config or cfg.base_model
-    if not (layout.cp_size > 1 or cfg.qat) or not os.path.isfile(os.path.join(source, "config.json")):
+    if not (layout.cp_size > 1 or cfg.qat or layout.tp_size > 1) or not os.path.isfile(
+            os.path.join(source, "config.json")):
         return  # a hub name, or nothing to check: the ranks check the loaded model as before
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from .reward import auto_class
 
     remote = {"trust_remote_code": True} if cfg.trust_remote_code else {}
     try:
         config = AutoConfig.from_pretrained(source, **remote, **(cfg.model_config or {}))
         with torch.device("meta"):  # no memory: only the modules' classes and shapes are read
-            model = AutoModelForCausalLM.from_config(config, **remote)
+            model = auto_class(cfg, {"config": config}).from_config(config, **remote)
     except Exception:  # noqa: BLE001 - a model this cannot build is loaded, checked and explained by the ranks
         return
+    if layout.tp_size > 1:
+        from nd_parallel.distributed import tensor_parallel
+
+        try:
+            plan = tensor_parallel.resolve_plan(model, tensor_parallel.plan_overrides(model, layout))
+        except Exception:  # noqa: BLE001 - a plan this cannot read is checked and explained by the ranks
+            plan = True
+        if not plan:
+            raise ConfigError(f"{path}: tensor_parallel_size={layout.tp_size} with base_model {source}: "
+                              f"{type(model).__name__} has no tp_plan (transformers gives its config none), so TP "
+                              "cannot shard it; use dp_shard_size / dp_replicate_size, or give the layout a tp_plan")
     if layout.cp_size > 1:
         from nd_parallel.distributed.context_parallel.hf import check_sequence_mixing
 

@@ -18,7 +18,8 @@ import torch
 
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
-from .mm_templates import IMAGE_MARKS, IMAGES_FIRST, MEDIA_TOKENS, ROLE_MARKERS, Boundary, flatten
+from .mm_templates import IMAGE_MARKS, IMAGES_FIRST, MEDIA_TOKENS, ROLE_MARKERS, flatten, keep_roles
+from .templates import MM_JINJA
 
 SETTINGS_FILE = "nd_parallel_mm.json"
 
@@ -36,6 +37,9 @@ class MMSettings:
     train_on_inputs: bool = False
     roles_to_train: list[str] = field(default_factory=lambda: ["assistant"])
     train_on_eos: str = "turn"
+    date_string: str | None = None
+    """Today's date as the parent read it, for the templates that write it (llama3_2_vision): every rank renders
+    the same date, also across midnight."""
 
 
 def load_image(item: dict, settings: MMSettings):
@@ -57,38 +61,6 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _keep_roles(ids: list[int], bounds: list[tuple[Boundary, list[int], list[int]]], settings) -> list[bool]:
-    """Axolotl's role scan: left to right, the longest start marker wins; a trained role's content (and its end
-    marker, per train_on_eos: turn / all / none / last) is kept; an end marker that is not included is handed back
-    as the next turn's start."""
-    keep, n, j, last = [False] * len(ids), len(ids), 0, None
-    roles, eos = set(settings.roles_to_train), settings.train_on_eos
-    while j < n:
-        found = [b for b in bounds if b[1] and ids[j:j + len(b[1])] == b[1]]
-        if not found:
-            j += 1
-            continue
-        b, start, end = max(found, key=lambda x: len(x[1]))
-        content, stop, closed = j + len(start), n, False
-        for k in range(content, n - len(end) + 1 if end else content):
-            if ids[k:k + len(end)] == end:
-                stop, closed = k, True
-                break
-        after = stop + len(end) if closed else n
-        if b.role in roles:
-            keep[content:stop] = [True] * (stop - content)
-            if closed and b.include_end and eos in ("turn", "all"):
-                keep[stop:after] = [True] * (after - stop)
-            if closed and b.include_end and eos == "last":
-                last = (stop, after)
-        elif closed and b.include_end and eos == "all":
-            keep[stop:after] = [True] * (after - stop)
-        j = stop if closed and not b.include_end else after
-    if last is not None:
-        keep[last[0]:last[1]] = [True] * (last[1] - last[0])
-    return keep
-
-
 def mask_labels(input_ids: torch.Tensor, processor, settings: MMSettings) -> torch.Tensor:
     """Labels: input_ids with the untrained roles (a template with role markers, unless train_on_inputs), the
     padding and the media tokens set to -100 (Axolotl's process_labels)."""
@@ -98,7 +70,7 @@ def mask_labels(input_ids: torch.Tensor, processor, settings: MMSettings) -> tor
     if markers and not settings.train_on_inputs:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         bounds = [(b, _ids(tokenizer, b.start), eos if b.end == "{eos}" else _ids(tokenizer, b.end)) for b in markers]
-        keep = torch.tensor([_keep_roles(row, bounds, settings) for row in input_ids.tolist()], dtype=torch.bool)
+        keep = torch.tensor([keep_roles(row, bounds, settings) for row in input_ids.tolist()], dtype=torch.bool)
     dropped = {tokenizer.pad_token_id}
     for token in (getattr(processor, "image_token", None), *MEDIA_TOKENS.get(settings.name or "", ())):
         if token is not None and token in tokenizer.get_vocab():
@@ -115,11 +87,12 @@ class MultimodalCollator:
 
     def render(self, messages: list[dict]) -> str:
         s = self.settings
-        if s.name is not None:  # a named template: flattened turns, rendered by our Jinja
+        if s.name is not None and s.name not in MM_JINJA:  # a named template: flattened turns, by our Jinja
             mark = IMAGE_MARKS.get(s.name) or getattr(self.processor, "image_token", None) or "<image>"
             turns = flatten(messages, mark, s.name in IMAGES_FIRST)
             return self.processor.tokenizer.apply_chat_template(turns, chat_template=s.template, tokenize=False)
-        return self.processor.apply_chat_template(messages, chat_template=s.template, tokenize=False)
+        dated = {"date_string": s.date_string} if s.date_string else {}
+        return self.processor.apply_chat_template(messages, chat_template=s.template, tokenize=False, **dated)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         if self.settings.name == "mistral_common":  # mistral-common renders and encodes images itself

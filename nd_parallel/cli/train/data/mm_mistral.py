@@ -32,7 +32,7 @@ from nd_parallel.config import ConfigError
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
 from . import mistral
-from .mm_templates import Boundary
+from .mm_templates import Boundary, keep_roles
 
 NAME = "mistral_common"  # MMSettings.name of such a run
 IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
@@ -102,8 +102,6 @@ def _bounds(tokenizer) -> list[tuple[Boundary, list[int], list[int]]]:
 
 def batch(tokenizer, conversations: list[list[dict]], settings, load_image) -> dict[str, torch.Tensor]:
     """One micro-batch: ids padded to the longest row, images zero-padded to the largest, labels masked."""
-    from .mm_collate import _keep_roles
-
     ids, images, sizes = [], [], []
     for messages in conversations:
         def image(item):
@@ -120,7 +118,7 @@ def batch(tokenizer, conversations: list[list[dict]], settings, load_image) -> d
     keep = torch.ones_like(input_ids, dtype=torch.bool)
     if not settings.train_on_inputs:
         bounds = _bounds(tokenizer)
-        keep = torch.tensor([_keep_roles(row, bounds, settings) for row in input_ids.tolist()], dtype=torch.bool)
+        keep = torch.tensor([keep_roles(row, bounds, settings) for row in input_ids.tolist()], dtype=torch.bool)
     keep &= attention.bool()
     for token in IMAGE_TOKENS:
         keep &= input_ids != tokenizer.convert_tokens_to_ids(token)

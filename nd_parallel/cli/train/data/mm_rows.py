@@ -20,6 +20,7 @@ from pathlib import Path
 from nd_parallel.config import ConfigError
 
 from .sources import DatasetSpec, load_source
+from .templates import MM_JINJA
 
 IMAGE_KEYS = ("path", "url", "base64", "image")
 
@@ -163,7 +164,8 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     first = cfg.datasets[0]  # Axolotl's strategy reads the first entry's roles_to_train / train_on_eos
     settings = MMSettings(template=template, name=name, image_size=cfg.image_size,
                           resize=cfg.image_resize_algorithm or "bilinear", train_on_inputs=cfg.train_on_inputs,
-                          roles_to_train=list(first.roles_to_train), train_on_eos=first.train_on_eos or "turn")
+                          roles_to_train=list(first.roles_to_train), train_on_eos=first.train_on_eos or "turn",
+                          date_string=_today() if name in MM_JINJA else None)
     parts, lines = [], []
     for spec in cfg.datasets:
         ds, line = multimodal_rows(spec, str(Path(workdir) / "raw-cache"))
@@ -193,6 +195,13 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     return str(out), how, lines, len(train), len(evals) if evals is not None else 0
 
 
+def _today() -> str:
+    """Today's date as transformers' strftime_now writes it in Llama 3.2 Vision's template ("04 Dec 2026")."""
+    import datetime
+
+    return datetime.datetime.now().strftime("%d %b %Y")
+
+
 def load_prepared_processor(path: str, trust_remote_code: bool | None = None):
     """(processor, MMSettings) that prepare_multimodal saved: what each rank reads."""
     from transformers import AutoProcessor
@@ -214,6 +223,13 @@ def check_rendering(processor, settings, rows) -> None:
     as the processor's own) would stop every rank in the processor; stop here instead, with the fix."""
     from .mm_collate import MultimodalCollator
 
+    if settings.name == "llama3_2_vision":  # its template raises on a system message beside images
+        bad = next((i for i, r in enumerate(rows["mm"]) if '"type": "image"' in r
+                    and json.loads(r)["messages"][0]["role"] == "system"), None)
+        if bad is not None:
+            raise ConfigError(f"conversation {bad}: chat_template='llama3_2_vision' takes no system message in a "
+                              "conversation with images (Meta's format; Axolotl's template raises too); set "
+                              "drop_system_message: true on the dataset, or remove the system turns")
     first = next((json.loads(r) for r in rows["mm"] if '"type": "image"' in r), None)
     mark = getattr(processor, "image_token", None)
     if first is None or settings.name is not None or not mark:  # a named template writes the family's placeholder
@@ -233,14 +249,38 @@ def vision_trains(cfg) -> bool:
     return not cfg.freeze_mm_modules and (cfg.adapter not in ("lora", "qlora") or bool(cfg.lora_target_linear))
 
 
+def _image_only_layers(cfg) -> str | None:
+    """The checkpoint's decoder layers that run only with images (Mllama's cross_attention_layers), as words."""
+    from transformers import AutoConfig
+
+    extra = {} if cfg.trust_remote_code is None else {"trust_remote_code": cfg.trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(cfg.base_model_config or cfg.base_model, **extra)
+    except (OSError, ValueError):  # no config to read here: the model's own load reports that, before training
+        return None
+    text = getattr(config, "text_config", config)
+    layers = getattr(text, "cross_attention_layers", None)
+    return f"the cross-attention layers {list(layers)} of {type(config).__name__}" if layers else None
+
+
 def check_imageless(cfg, rows, dp: int) -> None:
     """Refuse rows without an image where the vision tower trains over several data-parallel ranks: a micro-batch
     without an image leaves the tower without gradients on its rank while another rank has them, and FSDP2's
-    reduce-scatter of the tower's group then gets different sizes from the ranks (the collective fails)."""
-    if dp <= 1 or not vision_trains(cfg):
+    reduce-scatter of the tower's group then gets different sizes from the ranks (the collective fails).
+
+    A model that skips decoder layers for a micro-batch without images (Llama 3.2 Vision's cross-attention layers)
+    is refused such rows whatever trains: the ranks would run different layers, and FSDP2's all-gathers (DDP's
+    reductions) of those layers would wait forever on the rank that skipped them."""
+    if dp <= 1:
         return
     missing = sum('"type": "image"' not in row for row in rows["mm"])
-    if missing:
+    skipped = _image_only_layers(cfg) if missing else None
+    if skipped:
+        raise ConfigError(f"{missing} of {len(rows)} multimodal rows have no image, over {dp} data-parallel ranks: "
+                          f"{skipped} run only for a micro-batch with images, so a rank without one would skip "
+                          "layers the other ranks all-gather (a hang); give every row an image, drop the rows "
+                          "without one, or use tensor_parallel_size instead of data parallelism")
+    if missing and vision_trains(cfg):
         raise ConfigError(f"{missing} of {len(rows)} multimodal rows have no image, and the vision tower trains over "
                           f"{dp} data-parallel ranks: a micro-batch without an image leaves it without gradients on "
                           "its rank while other ranks have them, which the sharded/replicated gradient reduction "

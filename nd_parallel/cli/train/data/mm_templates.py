@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .templates import FORMATS, MM_FORMATS, jinja
+from .templates import FORMATS, MM_FORMATS, MM_JINJA, jinja
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGES_FIRST = ("llava",)
@@ -71,6 +71,8 @@ def template_for(name: str | None, inline: str | None, tokenizer) -> tuple[str |
         if getattr(tokenizer, "chat_template", None):
             return None, None
         name = name.removeprefix("tokenizer_default_fallback_")
+    if name in MM_JINJA:  # it reads the content items itself (MultimodalCollator.render hands them over)
+        return MM_JINJA[name], name
     return jinja(MM_FORMATS.get(name) or FORMATS[name]), name
 
 
@@ -87,3 +89,35 @@ def flatten(messages: list[dict], mark: str, images_first: bool) -> list[dict]:
             text = "".join(mark if i["type"] == "image" else i.get("text", "") for i in items)
         out.append({"role": m["role"], "content": text})
     return out
+
+
+def keep_roles(ids: list[int], bounds: list[tuple[Boundary, list[int], list[int]]], settings) -> list[bool]:
+    """Axolotl's role scan: left to right, the longest start marker wins; a trained role's content (and its end
+    marker, per train_on_eos: turn / all / none / last) is kept; an end marker that is not included is handed back
+    as the next turn's start."""
+    keep, n, j, last = [False] * len(ids), len(ids), 0, None
+    roles, eos = set(settings.roles_to_train), settings.train_on_eos
+    while j < n:
+        found = [b for b in bounds if b[1] and ids[j:j + len(b[1])] == b[1]]
+        if not found:
+            j += 1
+            continue
+        b, start, end = max(found, key=lambda x: len(x[1]))
+        content, stop, closed = j + len(start), n, False
+        for k in range(content, n - len(end) + 1 if end else content):
+            if ids[k:k + len(end)] == end:
+                stop, closed = k, True
+                break
+        after = stop + len(end) if closed else n
+        if b.role in roles:
+            keep[content:stop] = [True] * (stop - content)
+            if closed and b.include_end and eos in ("turn", "all"):
+                keep[stop:after] = [True] * (after - stop)
+            if closed and b.include_end and eos == "last":
+                last = (stop, after)
+        elif closed and b.include_end and eos == "all":
+            keep[stop:after] = [True] * (after - stop)
+        j = stop if closed and not b.include_end else after
+    if last is not None:
+        keep[last[0]:last[1]] = [True] * (last[1] - last[0])
+    return keep

@@ -105,6 +105,33 @@ MM_FORMATS = {
 }
 
 
+# Templates that read a turn's content items themselves (an image item is written where it stands), so they are
+# handed the items, not flattened turns. Llama 3.2 Vision (Meta's format, as Axolotl's llama3_2_vision.jinja renders
+# it without tools): a conversation without images opens with a system turn carrying the knowledge cut-off and
+# today's date (transformers' strftime_now; a fixed "26 Jul 2024" where the renderer has none, and `date_string`
+# overrides both) followed by the system message; one with images takes no system message at all.
+MM_JINJA = {"llama3_2_vision": (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(system='', image=false) -%}{%- set turns = messages -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{%- set first = messages[0]['content'] -%}"
+    "{%- set ns.system = (first if first is string else first | selectattr('text', 'defined') "
+    "| map(attribute='text') | join('')) | trim -%}{%- set turns = messages[1:] -%}{%- endif -%}"
+    "{%- for m in turns -%}{%- if m['content'] is not string -%}{%- for item in m['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{%- set ns.image = true -%}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.image and ns.system -%}"
+    "{{- raise_exception('Llama 3.2 Vision takes no system message in a conversation with images') -}}{%- endif -%}"
+    "{%- if not ns.image -%}{%- if date_string is not defined -%}"
+    "{%- set date_string = strftime_now('%d %b %Y') if strftime_now is defined else '26 Jul 2024' -%}{%- endif -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: ' "
+    "+ date_string + '\n\n' + ns.system + '<|eot_id|>' -}}{%- endif -%}"
+    "{%- for m in turns -%}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' -}}"
+    "{%- if m['content'] is string -%}{{- m['content'] -}}{%- else -%}{%- for item in m['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{- '<|image|>' -}}{%- elif item['type'] == 'text' -%}{{- item['text'] -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}{{- '<|eot_id|>' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}")}
+
+
 def _q(text: str) -> str:
     """A Jinja string literal (the eos placeholder becomes the tokenizer's eos_token)."""
     lit = "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
@@ -154,11 +181,8 @@ def template_problem(name, multimodal: bool = False) -> str | None:
     if base in FORMATS:
         return None
     if base in MULTIMODAL:
-        if multimodal and base in MM_FORMATS:
-            return None
         if multimodal:
-            return (f"chat_template={name!r}: our own Jinja for it is not written yet; use chat_template: "
-                    f"tokenizer_default (the processor's own template) or one of {', '.join(sorted(MM_FORMATS))}")
+            return None
         return (f"chat_template={name!r} renders images through a processor: set processor_type: AutoProcessor "
                 f"(a vision-language checkpoint), or use one of the text templates ({', '.join(sorted(FORMATS))})")
     return (f"chat_template={name!r} is not a chat template nd-parallel train knows; use tokenizer_default, "
