@@ -40,7 +40,10 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "dataset_keep_in_memory", "shuffle_before_merging_datasets",
            # placement and DDP tuning without numeric effect here (nd_parallel places by rank and builds its own DDP)
            "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "low_cpu_mem_usage",
-           "device_map", "flex_attn_compile_kwargs"}
+           "device_map", "flex_attn_compile_kwargs",
+           # in Axolotl's PaddleOCR-VL example but in no schema of its (Axolotl drops it): without `adapter` the run
+           # is a full fine-tuning anyway
+           "full_finetune"}
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 # RL and reward-model trainers compute their own losses (preference pairs, reference models, rewards): nd_parallel's
