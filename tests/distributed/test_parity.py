@@ -52,6 +52,9 @@ LAUNCHES = {
         "fsdp2_compile": L(dp_shard_size=2, compile=True, compile_backend="aot_eager"),
         # the embedding's all-reduce hands layer 0 an AsyncCollectiveTensor (distributed/compile.py: waited for)
         "tp2_compile": L(tp_size=2, compile=True, compile_backend="aot_eager"),
+        # activation offloading wraps the compiled layer, the tiled MLP's checkpointed tiles trace into it
+        "fsdp2_compile_offload_tiled": L(dp_shard_size=2, compile=True, compile_backend="aot_eager",
+                                         activation_offloading=True, tiled_mlp=True, tiled_mlp_num_shards=2),
     }),
     "4r": (4, 2, {
         "hsdp2x2": L(dp_replicate_size=2, dp_shard_size=2, **OFF),
@@ -164,7 +167,8 @@ FAMILIES = {"2r": ["llama", "qwen3", "mistral", "gemma", *MOE_TP, "llama4_text"]
 # compile=True (aot_eager: dynamo + AOTAutograd, bit-equal to eager; inductor is tests/unit/test_compile.py): llama
 # only, since compiling costs seconds per rank and the other families add nothing compile-specific.
 EXCLUDE |= {(f, n) for fams in FAMILIES.values() for f in fams if f != "llama"
-            for n in ("fsdp2_compile", "pp2_compile", "cp2_compile", "tp2_compile", "fsdp2_tp2_compile")}
+            for n in ("fsdp2_compile", "pp2_compile", "cp2_compile", "tp2_compile", "fsdp2_tp2_compile",
+                      "fsdp2_compile_offload_tiled")}
 # An untied head (a tied one gets its gradient through the embedding anyway): qwen3 only.
 EXCLUDE |= {(f, "fsdp2_unlabelled") for f in FAMILIES["2r"] if f != "qwen3"}
 # Tiny MoE configs: 4 experts, top 2, expert width 32 (tp=2 splits each packed half evenly). deepseek: MLA (q/kv LoRA
