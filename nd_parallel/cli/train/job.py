@@ -204,6 +204,16 @@ def check_layout_rules(cfg: TrainConfig, path) -> None:
             raise ConfigError(f"{path}: {err}") from None
 
 
+def _no_tp_plan(model, layout: ParallelismConfig) -> bool:
+    """Whether TP would find no plan for ``model`` (the ranks' tensor_parallel.check_model refuses that)."""
+    from nd_parallel.distributed import tensor_parallel
+
+    try:
+        return not tensor_parallel.resolve_plan(model, tensor_parallel.plan_overrides(model, layout))
+    except Exception:  # noqa: BLE001 - a plan this cannot read is checked and explained by the ranks
+        return False
+
+
 def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None:
     """The ranks' model checks that a local config.json can answer, made on the meta device before any rank starts:
     CP on a model that mixes tokens outside attention (a Mamba mixer, a short convolution:
@@ -226,17 +236,10 @@ def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None
             model = auto_class(cfg, {"config": config}).from_config(config, **remote)
     except Exception:  # noqa: BLE001 - a model this cannot build is loaded, checked and explained by the ranks
         return
-    if layout.tp_size > 1:
-        from nd_parallel.distributed import tensor_parallel
-
-        try:
-            plan = tensor_parallel.resolve_plan(model, tensor_parallel.plan_overrides(model, layout))
-        except Exception:  # noqa: BLE001 - a plan this cannot read is checked and explained by the ranks
-            plan = True
-        if not plan:
-            raise ConfigError(f"{path}: tensor_parallel_size={layout.tp_size} with base_model {source}: "
-                              f"{type(model).__name__} has no tp_plan (transformers gives its config none), so TP "
-                              "cannot shard it; use dp_shard_size / dp_replicate_size, or give the layout a tp_plan")
+    if layout.tp_size > 1 and _no_tp_plan(model, layout):
+        raise ConfigError(f"{path}: tensor_parallel_size={layout.tp_size} with base_model {source}: "
+                          f"{type(model).__name__} has no tp_plan (transformers gives its config none), so TP "
+                          "cannot shard it; use dp_shard_size / dp_replicate_size, or give the layout a tp_plan")
     if layout.cp_size > 1:
         from nd_parallel.distributed.context_parallel.hf import check_sequence_mixing
 

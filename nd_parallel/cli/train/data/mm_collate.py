@@ -18,7 +18,7 @@ import torch
 
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
-from .mm_templates import IMAGE_MARKS, IMAGES_FIRST, MEDIA_TOKENS, ROLE_MARKERS, flatten, keep_roles
+from .mm_templates import IMAGE_MARKS, IMAGES_FIRST, MEDIA_TOKENS, MISTRAL_COMMON, ROLE_MARKERS, flatten, keep_roles
 from .templates import MM_JINJA
 
 SETTINGS_FILE = "nd_parallel_mm.json"
@@ -95,7 +95,7 @@ class MultimodalCollator:
         return self.processor.apply_chat_template(messages, chat_template=s.template, tokenize=False, **dated)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if self.settings.name == "mistral_common":  # mistral-common renders and encodes images itself
+        if self.settings.name == MISTRAL_COMMON:  # mistral-common renders and encodes images itself
             from .mm_mistral import batch
 
             return batch(self.processor, [json.loads(r["mm"])["messages"] for r in rows], self.settings, load_image)

@@ -32,9 +32,9 @@ from nd_parallel.config import ConfigError
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
 from . import mistral
-from .mm_templates import Boundary, keep_roles
+from .mm_templates import MISTRAL_COMMON, Boundary, keep_roles
 
-NAME = "mistral_common"  # MMSettings.name of such a run
+NAME = MISTRAL_COMMON  # MMSettings.name of such a run
 IMAGE_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
 _MARKERS = [(Boundary("user", "[INST]", "[/INST]", include_end=False), "[INST]", "[/INST]"),
             (Boundary("assistant", "[/INST]", "{eos}"), "[/INST]", None),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
+from .mm_templates import MISTRAL_COMMON
 from .sources import DatasetSpec, load_source
 from .templates import MM_JINJA
 
@@ -154,7 +155,7 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
         from . import mm_mistral
 
         processor = mm_mistral.load(cfg.tokenizer_config or cfg.base_model)[0]
-        template, name = None, mm_mistral.NAME
+        template, name = None, MISTRAL_COMMON
     else:
         processor = load_processor(cfg)
         template, name = template_for(cfg.chat_template, cfg.chat_template_jinja, processor.tokenizer)
@@ -173,7 +174,7 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
         lines.append(line)
     merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     check_imageless(cfg, merged, dp)
-    if name == "mistral_common":
+    if name == MISTRAL_COMMON:
         from .mm_mistral import check_rows
 
         check_rows(processor, merged, ", ".join(lines))
@@ -187,10 +188,10 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     if evals is not None:
         evals.save_to_disk(str(out / "eval"))
     processor.save_pretrained(str(out / "processor"))
-    (processor if name == "mistral_common" else processor.tokenizer).save_pretrained(str(out / "tokenizer"))
+    (processor if name == MISTRAL_COMMON else processor.tokenizer).save_pretrained(str(out / "tokenizer"))
     (out / "processor" / SETTINGS_FILE).write_text(json.dumps(settings.__dict__))
     how = f"processor {type(processor).__name__} of {cfg.tokenizer_config or cfg.base_model}, template " + (
-        "mistral-common's" if name == "mistral_common" else name or (
+        "mistral-common's" if name == MISTRAL_COMMON else name or (
             "chat_template_jinja" if template else "the processor's own"))
     return str(out), how, lines, len(train), len(evals) if evals is not None else 0
 
@@ -210,7 +211,7 @@ def load_prepared_processor(path: str, trust_remote_code: bool | None = None):
 
     root = Path(path) / "processor"
     settings = MMSettings(**json.loads((root / SETTINGS_FILE).read_text()))
-    if settings.name == "mistral_common":
+    if settings.name == MISTRAL_COMMON:
         from .mistral import load_tokenizer
 
         return load_tokenizer(root)[0], settings

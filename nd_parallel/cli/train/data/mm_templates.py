@@ -19,6 +19,9 @@ from .templates import FORMATS, MM_FORMATS, MM_JINJA, jinja
 
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGES_FIRST = ("llava",)
+# MMSettings.name of a run whose processor is mistral-common's tokenizer (mm_mistral.py): it renders and encodes
+# images itself, with no template of ours.
+MISTRAL_COMMON = "mistral_common"
 IMAGE_MARKS = {"llava": "<image>\n", "qwen2_vl": _QWEN_IMAGE, "qwen3_5": _QWEN_IMAGE, "gemma3": "<start_of_image>",
                "gemma3n": "<image_soft_token>", "gemma4": "<|image|>", "gemma4_unified": "<|image|>",
                "llama4": "<|image|>", "llama3_2_vision": "<|image|>", "pixtral": "[IMG]"}
