@@ -159,3 +159,92 @@ def expert_lora_without_dropout():
         yield built
     finally:
         ParamWrapper.__init__ = original
+
+
+def lora_on_parametrized_experts() -> None:
+    """LoRA on quantized MoE expert tensors (Axolotl's ``quantize_moe_experts`` with ``lora_target_parameters``):
+    three fixes to peft, installed once for the process by ``models/quantized_experts.py``. The first acts only on the
+    expert modules it quantized (they carry ``_nd_parallel_param_order``); the other two change nothing for a tensor
+    with no other parametrization (peft's own path).
+
+    - Matching and order. On a module whose tensor is already parametrized, peft (0.20, 0.21) matches
+      ``target_parameters`` by the full dotted name only and wraps the matches in sorted-name order, where on a plain
+      module it matches by suffix and wraps in the module's definition order. The order decides which ``ParamWrapper``
+      is nested inside which (the adapter's key names) and the order of the adapters' seeded init draws. Here, a
+      quantized expert module is matched by suffix and wrapped in its definition order (recorded before quantizing),
+      so the adapter has the keys and the initial values it has on the unquantized model under the same seed, and
+      loads or merges there (Axolotl patches the same two points, ``monkeypatch/moe_quant.py``).
+    - Removal. After each forward peft removes its LoRA proxy from the parametrization chain; with another
+      parametrization underneath (the dequantization) it looks for ``_LoraParameterProxy`` only, but peft 0.21
+      registers ``_LoraFactorsProxy`` for a single adapter on an expert stack: the proxy stayed registered and the next
+      forward failed. Either proxy is removed here (peft 0.20 has only the first).
+    - Caching. A ``ParamWrapper`` registers its proxy while an outer wrapper of the same module holds torch's
+      parametrization cache open, and registering on an already parametrized tensor evaluates it: on a quantized
+      tensor that is a dequantization, cached without the inner adapter's delta, which the forward then used, so the
+      inner adapter got no gradient (measured: no ``.grad`` on the inner ``gate_up_proj`` adapter; plain tensors are
+      not cached). That entry is dropped once the proxy is registered."""
+    from peft.tuners.lora import layer as lora_layer
+    from peft.tuners.tuners_utils import BaseTuner
+
+    if getattr(BaseTuner._inject_parameters, "_nd_parallel", False):
+        return
+    proxies = tuple(c for c in (getattr(lora_layer, "_LoraParameterProxy", None),
+                                getattr(lora_layer, "_LoraFactorsProxy", None)) if c is not None)
+    remove, inject = lora_layer.ParamWrapper._remove_parametrizations, BaseTuner._inject_parameters
+    activate = lora_layer.ParamWrapper._activate_lora
+
+    @contextmanager
+    def activate_uncached(self, active_adapters):
+        import torch.nn.utils.parametrize as P
+
+        with activate(self, active_adapters):
+            P._cache.pop((id(self.get_base_layer()), self.parameter_name), None)  # torch's cache key
+            yield
+
+    def remove_proxy(self):
+        chain = self.get_base_layer().parametrizations[self.parameter_name]
+        if len(chain) > 1 and isinstance(chain[-1], proxies):  # peft's proxy is always the last one registered
+            del chain[-1]
+            return
+        remove(self)
+
+    def inject_parameters(self, peft_config, model, adapter_name, low_cpu_mem_usage):
+        ours = _wrap_parametrized_experts(self, peft_config, model, adapter_name, low_cpu_mem_usage)
+        theirs = inject(self, peft_config, model, adapter_name, low_cpu_mem_usage)
+        if theirs is None:  # peft 0.20 records the names on the tuner and returns nothing
+            self.targeted_parameter_names.extend(ours)
+            return None
+        return ours + [k for k in theirs if k not in ours]
+
+    inject_parameters._nd_parallel = True
+    lora_layer.ParamWrapper._remove_parametrizations = remove_proxy
+    lora_layer.ParamWrapper._activate_lora = activate_uncached
+    BaseTuner._inject_parameters = inject_parameters
+
+
+def _wrap_parametrized_experts(tuner, peft_config, model, adapter_name, low_cpu_mem_usage) -> list[str]:
+    """peft's own steps for one targeted tensor (``_get_submodules``, its compatibility check,
+    ``_create_and_replace`` with ``parameter_name``), for the quantized expert modules, by suffix, in definition
+    order. A second tensor of the same module wraps the first one's ``ParamWrapper``, as peft nests them."""
+    from contextlib import nullcontext
+
+    from peft.utils.integrations import init_empty_weights
+    from peft.utils.other import _get_submodules
+
+    targets = list(getattr(peft_config, "target_parameters", None) or [])
+    done: list[str] = []
+    for module_name, module in list(model.named_modules()):
+        order = getattr(module, "_nd_parallel_param_order", None)
+        if not targets or order is None or not hasattr(module, "parametrizations"):
+            continue
+        for name in (n for n in order if n in module.parametrizations):
+            key = f"{module_name}.{name}"
+            if not any(key == t or key.endswith(f".{t}") for t in targets):
+                continue
+            parent, target, target_name = _get_submodules(model, module_name)
+            tuner._check_target_module_compatiblity(peft_config, model, target_name)
+            with init_empty_weights() if low_cpu_mem_usage else nullcontext():
+                tuner._create_and_replace(peft_config, adapter_name, target, target_name, parent, current_key=key,
+                                          parameter_name=name)
+            done.append(key)
+    return done

@@ -171,6 +171,21 @@ def test_lora_on_expert_tensors_trains(runs):
     assert config["use_rslora"] is True
 
 
+def test_lora_on_quantized_expert_tensors_trains(runs):
+    """quantize_moe_experts with lora_target_parameters under FSDP2: an adapter on each NF4 expert tensor (two nested
+    ParamWrappers per experts module, gate_up_proj inside as on float experts), every one moved from its zero init,
+    and the packed experts are not saved with the adapter."""
+    root, jobs = runs
+    saved = saved_tensors(Path(jobs["qwen3_moe_qlora_experts"].train.output_dir))
+    experts_b = {k: v for k, v in saved.items() if ".mlp.experts." in k and "lora_B" in k}
+    assert len(experts_b) == 4 and all(v.abs().max() > 0 for v in experts_b.values()), sorted(experts_b)
+    config = json.loads((root / "models" / "qwen3_moe" / "config.json").read_text())
+    rows = {k: v.shape[0] for k, v in experts_b.items()}  # lora_B's rows: the tensor's output features
+    assert sorted(rows.values()) == sorted([2 * config["moe_intermediate_size"], config["hidden_size"]] * 2)
+    assert all(n == 2 * config["moe_intermediate_size"] for k, n in rows.items() if ".experts.base_layer." in k)
+    assert not [k for k in saved if "parametrizations" in k]
+
+
 def test_mistral_common_run_keeps_its_tokenizer(runs):
     """tokenizer_use_mistral_common: the ranks read the prepared mistral-common tokenizer and the saved model
     carries its tekken.json (what AutoTokenizer reads back with mistral-common)."""

@@ -176,10 +176,9 @@ def _early_stopping(d: dict) -> list[str]:
 
 
 def _moe_quantization(d: dict) -> list[str]:
-    """quantize_moe_experts: Axolotl's rules (an adapter, a 4-bit or 8-bit base, not lora_target_linear), and
-    LoRA on the quantized expert tensors themselves refused: peft's target_parameters matches a parametrized
-    tensor by its full name only (Axolotl patches the matching), and even then peft 0.21's ParamWrapper does not
-    compose with the dequantizing parametrization (measured: the second forward fails)."""
+    """quantize_moe_experts: Axolotl's rules (an adapter, a 4-bit or 8-bit base, not lora_target_linear). LoRA on
+    the quantized expert tensors themselves (lora_target_parameters) trains: models/peft.py's
+    ``lora_on_parametrized_experts`` fixes peft's matching, order, proxy removal and caching on them."""
     if d.get("quantize_moe_experts") is not True:
         return []
     out = []
@@ -192,12 +191,6 @@ def _moe_quantization(d: dict) -> list[str]:
     if d.get("lora_target_linear"):
         out.append("quantize_moe_experts=True with lora_target_linear (Axolotl's rule too): name the layers with "
                    "lora_target_modules")
-    if d.get("lora_target_parameters"):
-        out.append(f"quantize_moe_experts=True with lora_target_parameters={d['lora_target_parameters']!r}: LoRA on "
-                   "quantized expert tensors is not implemented (peft 0.21's ParamWrapper on an already "
-                   "parametrized tensor leaves its LoRA proxy registered after a forward, and the next forward "
-                   "fails); drop lora_target_parameters (the adapter on lora_target_modules trains), or drop "
-                   "quantize_moe_experts to adapt float experts")
     return out
 
 
