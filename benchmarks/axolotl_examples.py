@@ -198,7 +198,7 @@ def main() -> None:
                 stopped.update(reasons(message))
                 refused[name] = reasons(message)
     ours = set()
-    for path in sorted(Path(args.ours).glob("*.yml")):
+    for path in sorted(Path(args.ours).rglob("*.yml")):  # refused/: YAMLs refused for CUDA-only features
         ours |= uses(yaml.safe_load(path.read_text()))
     print(f"{len(passed)} of {len(files)} Axolotl example YAMLs pass nd-parallel train's config stage")
     print(f"\nrefused keys/values, by the number of files they stop (top {args.show}):")
@@ -219,7 +219,7 @@ def main() -> None:
     missing = sorted(theirs - ours)
     with tempfile.TemporaryDirectory() as tmp:
         accepted, refused_pairs = split_missing(missing, patch_of, users, set(passed), Path(tmp))
-    print(f"\ncoverage: our {len(list(Path(args.ours).glob('*.yml')))} test YAMLs use {len(theirs & ours)} of the "
+    print(f"\ncoverage: our {len(list(Path(args.ours).rglob('*.yml')))} test YAMLs use {len(theirs & ours)} of the "
           f"{len(theirs)} keys/values the examples use; not used by ours: {len(missing)}, of which "
           f"(a) {len(accepted)} pass the config stage, (b) {len(refused_pairs)} are refused here")
     print(f"\n(a) passed by the config stage, used by no test YAML of ours ({len(accepted)}):")

@@ -174,6 +174,16 @@ def test_adam_eps_is_accepted_as_axolotl_drops_it(tmp_path, data):
     assert "adam_epsilon" not in trainer_arguments(cfg, "a", train_rows=20, eval_rows=0, dp=1)
 
 
+def test_test_value_is_accepted_as_axolotl_drops_it(tmp_path, data):
+    """`test_value: true` (llama-3/lora-1b-sample-packing-sequentially.yml) is read by no Axolotl code and dropped by
+    its schema; accepted with one line, and the run's arguments are those without it."""
+    cfg, plain = _config(tmp_path, data, test_value=True), _config(tmp_path, data)
+    assert "test_value" in cfg.unused
+    assert any(n.startswith("test_value: not an Axolotl key") for n in cfg.notes), cfg.notes
+    assert trainer_arguments(cfg, "a", train_rows=20, eval_rows=0, dp=1) == trainer_arguments(
+        plain, "a", train_rows=20, eval_rows=0, dp=1)
+
+
 def test_bnb_optimizer_on_sharded_ranks_saves_model_only_checkpoints(tmp_path, data):
     """A bitsandbytes optimizer steps each rank's shards and its state cannot enter a sharded checkpoint
     (optimizer_8bit.refuse_checkpoint): Axolotl's qlora examples (paged_adamw_8bit, saves_per_epoch) trained and

@@ -170,7 +170,7 @@ def test_cp_on_a_local_mamba_hybrid_is_refused_before_any_rank_starts(tmp_path):
         tiny_config(family).save_pretrained(tmp_path / family)
     cfg = SimpleNamespace(base_model=str(tmp_path / "nemotron_h"), base_model_config=None, trust_remote_code=True,
                           qat=None, model_config={"output_router_logits": False}, processor_type=None,
-                          model_type=None)
+                          model_type=None, fsdp_wrap_classes=[])
     cp2 = ParallelismConfig(dp_shard_size=1, cp_size=2).resolve(2)
     with pytest.raises(ConfigError, match=r"c.yml: context_parallel_size=2 with base_model .*nemotron_h: "
                                           r"NemotronHForCausalLM mixes tokens along the sequence outside attention: "
@@ -194,7 +194,7 @@ def test_tp_on_a_local_model_without_a_tp_plan_is_refused_before_any_rank_starts
     mllama = save_tiny_vlm("mllama", tmp_path / "mllama")
     tiny_config("llama").save_pretrained(tmp_path / "llama")
     cfg = SimpleNamespace(base_model=str(mllama), base_model_config=None, trust_remote_code=None, qat=None,
-                          model_config=None, processor_type="AutoProcessor", model_type=None)
+                          model_config=None, processor_type="AutoProcessor", model_type=None, fsdp_wrap_classes=[])
     tp2 = ParallelismConfig(tp_size=2).resolve(2)
     with pytest.raises(ConfigError, match=r"c.yml: tensor_parallel_size=2 with base_model .*mllama: "
                                           r"MllamaForConditionalGeneration has no tp_plan"):
@@ -202,3 +202,33 @@ def test_tp_on_a_local_model_without_a_tp_plan_is_refused_before_any_rank_starts
     check_local_model(cfg, ParallelismConfig(dp_shard_size=2).resolve(2), "c.yml")  # no TP: no check
     llama = SimpleNamespace(**{**vars(cfg), "base_model": str(tmp_path / "llama"), "processor_type": None})
     check_local_model(llama, tp2, "c.yml")  # Llama has a tp_plan
+
+
+def test_fsdp_wrap_class_the_model_does_not_have_is_refused_before_any_rank_starts(tmp_path):
+    """fsdp_config transformer_layer_cls_to_wrap (either spelling; a comma-separated string as Accelerate reads it,
+    or a list) must name classes of the model: FSDP2 here shards per decoder layer whatever it names, and a name the
+    model lacks (a config copied from another family) is refused from the local config.json with the model's own
+    decoder-layer class, as Accelerate's wrap policy refuses it; a hub name is left to the ranks."""
+    from types import SimpleNamespace
+
+    from nd_parallel.cli.train.job import check_local_model
+    from nd_parallel.cli.train.keys import wrap_classes
+    from nd_parallel.config import ConfigError
+
+    assert wrap_classes({"transformer_layer_cls_to_wrap": "JambaAttentionDecoderLayer, JambaMambaDecoderLayer"}) == [
+        "JambaAttentionDecoderLayer", "JambaMambaDecoderLayer"]
+    assert wrap_classes({"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}) == ["LlamaDecoderLayer"]
+    assert wrap_classes({"offload_params": True}) == [] and wrap_classes(None) == []
+    tiny_config("llama").save_pretrained(tmp_path / "llama")
+    cfg = SimpleNamespace(base_model=str(tmp_path / "llama"), base_model_config=None, trust_remote_code=None,
+                          qat=None, model_config=None, processor_type=None, model_type=None,
+                          fsdp_wrap_classes=["Qwen3_5DecoderLayer", "LlamaDecoderLayer"])
+    fsdp2 = ParallelismConfig(dp_shard_size=2).resolve(2)
+    with pytest.raises(ConfigError, match=r"c.yml: fsdp_config transformer_layer_cls_to_wrap names "
+                                          r"Qwen3_5DecoderLayer, which LlamaForCausalLM .* its decoder layers are "
+                                          r"LlamaDecoderLayer: set transformer_layer_cls_to_wrap: LlamaDecoderLayer"):
+        check_local_model(cfg, fsdp2, "c.yml")
+    for names in (["LlamaDecoderLayer"], ["LlamaDecoderLayer", "LlamaAttention"], []):
+        check_local_model(SimpleNamespace(**{**vars(cfg), "fsdp_wrap_classes": names}), fsdp2, "c.yml")
+    hub = SimpleNamespace(**{**vars(cfg), "base_model": "Qwen/Qwen3.5-9B"})
+    check_local_model(hub, fsdp2, "c.yml")  # not local: nothing to read here

@@ -22,7 +22,7 @@ from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
 from .extras import AxolotlExtras, extra_refusals, extras_notes, model_kind_refusals
-from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals
+from .keys import REFUSED, UNREAD, is_default, is_logging, map_fsdp, map_memory_keys, value_refusals, wrap_classes
 from .preference import PreferenceOptions, rl_refusals
 from .schema import AXOLOTL_DEFAULTS
 from .streaming import StreamingOptions
@@ -183,13 +183,17 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     """Keys accepted but not acted on (loggers, hubs, Axolotl keys at their default); reported once."""
     notes: list[str] = field(default_factory=list)
     """One line per Axolotl key mapped or falling back (attention, deepspeed, plugins, ...); reported once."""
+    fsdp_wrap_classes: list[str] = field(default_factory=list)
+    """fsdp_config's transformer_layer_cls_to_wrap: FSDP2 shards per decoder layer whatever it names, but each name
+    must be a class of the model (checked before any rank starts; Accelerate's wrap policy refuses one too)."""
 
 
 _NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation"}  # fields no YAML key sets
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
 # KERNEL_KEYS: fused CUDA/Triton kernels of the same computation (one line each); MAPPED: read by equivalents.py
 KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
-               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel")
+               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel",
+               "use_dsv4_kernels", "use_glm_dsa_kernels")  # the last two: Axolotl's Triton kernels newer than 0.19
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16", "float16",
           "torch_compile_mode", "gemma4_hybrid_attn_impl", "accelerator_config"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
@@ -397,4 +401,5 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         train["trainer_callbacks"] = callback_specs(path, train["trainer_callbacks"])
     liger = {k: v for k, v in data.items() if k.startswith("liger_") and k in plugin_keys and v}
     return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)), notes=mapped.notes,
-                       attn_implementation=mapped.settings.get("attn_implementation"), liger=liger)
+                       attn_implementation=mapped.settings.get("attn_implementation"), liger=liger,
+                       fsdp_wrap_classes=wrap_classes(d.get("fsdp_config")))

@@ -218,10 +218,12 @@ def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None
     """The ranks' model checks that a local config.json can answer, made on the meta device before any rank starts:
     CP on a model that mixes tokens outside attention (a Mamba mixer, a short convolution:
     context_parallel.hf.check_sequence_mixing; Axolotl's examples/nemotron-h/nano-30b-a3b-qlora-cp.yaml stopped
-    on the ranks), QAT groups that do not divide a layer's input features (models.qat), and TP on a model without a
-    tp_plan (Mllama, for one)."""
+    on the ranks), QAT groups that do not divide a layer's input features (models.qat), TP on a model without a
+    tp_plan (Mllama, for one), and fsdp_config's transformer_layer_cls_to_wrap naming a class the model does not have
+    (Accelerate's wrap policy stops there too; FSDP2 here shards per decoder layer, so a name that is in the model
+    changes nothing, and one that is not is a wrong file: a config copied from another family)."""
     source = cfg.base_model_config or cfg.base_model
-    if not (layout.cp_size > 1 or cfg.qat or layout.tp_size > 1) or not os.path.isfile(
+    if not (layout.cp_size > 1 or cfg.qat or layout.tp_size > 1 or cfg.fsdp_wrap_classes) or not os.path.isfile(
             os.path.join(source, "config.json")):
         return  # a hub name, or nothing to check: the ranks check the loaded model as before
     import torch
@@ -236,6 +238,16 @@ def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None
             model = auto_class(cfg, {"config": config}).from_config(config, **remote)
     except Exception:  # noqa: BLE001 - a model this cannot build is loaded, checked and explained by the ranks
         return
+    classes = {type(m).__name__ for m in model.modules()}
+    missing = [name for name in cfg.fsdp_wrap_classes if name not in classes]
+    if missing:
+        from nd_parallel.models import hf
+
+        layers = sorted({type(layer).__name__ for layer in hf.decoder_layers(model)})
+        raise ConfigError(f"{path}: fsdp_config transformer_layer_cls_to_wrap names {', '.join(missing)}, which "
+                          f"{type(model).__name__} ({source}) does not have; its decoder layers are "
+                          f"{', '.join(layers) or 'not found'}: set transformer_layer_cls_to_wrap: {','.join(layers)} "
+                          "(nd_parallel shards per decoder layer whatever it names) or drop it")
     if layout.tp_size > 1 and _no_tp_plan(model, layout):
         raise ConfigError(f"{path}: tensor_parallel_size={layout.tp_size} with base_model {source}: "
                           f"{type(model).__name__} has no tp_plan (transformers gives its config none), so TP "

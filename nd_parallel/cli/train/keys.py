@@ -77,10 +77,13 @@ REFUSED = {
     "nvfp4_merge_aware_start_step": "belongs to nvfp4_merge_aware (NVFP4 fake-quantized training), not supported",
     "dsv4_fp4_grouped_mode": "FP4 grouped expert kernels for a pre-quantized checkpoint are not supported (such "
                              "checkpoints are not loaded): use the unquantized checkpoint",
-    "use_dsv4_kernels": "Axolotl's fused DeepSeek-V4 Triton kernels are not part of nd-parallel train: drop it "
-                        "(the model's own transformers forward runs)",
-    "use_glm_dsa_kernels": "Axolotl's fused GLM DSA attention kernels are not part of nd-parallel train: drop it "
-                           "(the model's own transformers attention runs)",
+    # FP8 matmuls (torchao's Float8Linear, torch._scaled_mm) exist on CUDA GPUs with FP8 tensor cores only
+    "fp8": "FP8 training runs its matmuls on CUDA FP8 tensor cores (compute capability >= 8.9, torchao's "
+           "Float8Linear), which CPU ranks do not have, and nd-parallel train does not apply it on GPUs either (not "
+           "checked without one): train in bf16 (drop fp8 and fp8_enable_fsdp_float8_all_gather; bf16: auto), or "
+           + _PLUGIN,
+    "fp8_enable_fsdp_float8_all_gather": "belongs to fp8 (FSDP2 all-gathers the FP8 weights), not applied: drop it "
+                                         "with fp8",
     "llmcompressor": "sparse fine-tuning with llm-compressor recipes (pruning masks kept during training) is not "
                      "implemented: " + _PLUGIN,
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
@@ -91,7 +94,8 @@ REFUSED = {
 UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays to 0, as here; for a floor write "
                      "cosine_min_lr_ratio: <eta_min / learning_rate>",
           "adam_eps": "not an Axolotl key: Axolotl drops it and AdamW keeps the Trainer's epsilon 1e-8, as here; for "
-                      "another epsilon write adam_epsilon: <value>"}
+                      "another epsilon write adam_epsilon: <value>",
+          "test_value": "not an Axolotl key (no Axolotl code reads it): Axolotl drops it, and it changes nothing here"}
 
 
 def is_logging(key: str) -> bool:
@@ -155,6 +159,16 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
             if why:
                 refused.append((f"fsdp_config.{raw}=True", why.split(": ", 1)[1]))
     return settings, refused
+
+
+def wrap_classes(fsdp_config: Any) -> list[str]:
+    """The class names fsdp_config's (fsdp_)transformer_layer_cls_to_wrap gives: a comma-separated string, as
+    Accelerate reads it, or a list."""
+    if not isinstance(fsdp_config, dict):
+        return []
+    value = fsdp_config.get("transformer_layer_cls_to_wrap", fsdp_config.get("fsdp_transformer_layer_cls_to_wrap"))
+    names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else []
+    return [str(n).strip() for n in names if str(n).strip()]
 
 
 def value_refusals(d: dict) -> list[str]:
