@@ -178,11 +178,12 @@ def lora_on_parametrized_experts() -> None:
       parametrization underneath (the dequantization) it looks for ``_LoraParameterProxy`` only, but peft 0.21
       registers ``_LoraFactorsProxy`` for a single adapter on an expert stack: the proxy stayed registered and the next
       forward failed. Either proxy is removed here (peft 0.20 has only the first).
-    - Caching. A ``ParamWrapper`` registers its proxy while an outer wrapper of the same module holds torch's
-      parametrization cache open, and registering on an already parametrized tensor evaluates it: on a quantized
-      tensor that is a dequantization, cached without the inner adapter's delta, which the forward then used, so the
-      inner adapter got no gradient (measured: no ``.grad`` on the inner ``gate_up_proj`` adapter; plain tensors are
-      not cached). That entry is dropped once the proxy is registered."""
+    - Caching. peft 0.21's ``_activate_lora`` reads its tensor (``get_param``) before registering its proxy; an
+      outer wrapper of the same module already holds torch's parametrization cache open, so that read of a
+      parametrized tensor (the dequantization) was cached without the inner adapter's delta and the forward used
+      it: the inner adapter (``gate_up_proj`` or ``down_proj``, by nesting) got no gradient (measured; peft 0.20,
+      Axolotl's pin, gives both a gradient; plain tensors are not cached). That entry is dropped once the proxy is
+      registered."""
     from peft.tuners.lora import layer as lora_layer
     from peft.tuners.tuners_utils import BaseTuner
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 
-from . import equivalents
+from . import equivalents, keys
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
@@ -183,18 +183,13 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     """Keys accepted but not acted on (loggers, hubs, Axolotl keys at their default); reported once."""
     notes: list[str] = field(default_factory=list)
     """One line per Axolotl key mapped or falling back (attention, deepspeed, plugins, ...); reported once."""
-    fsdp_wrap_classes: list[str] = field(default_factory=list)
-    """fsdp_config's transformer_layer_cls_to_wrap: FSDP2 shards per decoder layer whatever it names, but each name
-    must be a class of the model (checked before any rank starts; Accelerate's wrap policy refuses one too)."""
+    fsdp_wrap_classes: list[str] = field(default_factory=list)  # fsdp_config's, for job.check_local_model
 
 
 _NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation"}  # fields no YAML key sets
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
-# KERNEL_KEYS: fused CUDA/Triton kernels of the same computation (one line each); MAPPED: read by equivalents.py
-KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
-               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel",
-               "use_dsv4_kernels", "use_glm_dsa_kernels")  # the last two: Axolotl's Triton kernels newer than 0.19
-MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *KERNEL_KEYS, "bfloat16", "float16",
+# MAPPED: read by equivalents.py (keys.KERNEL_KEYS: fused kernels of the same computation, one line each)
+MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *keys.KERNEL_KEYS, "bfloat16", "float16",
           "torch_compile_mode", "gemma4_hybrid_attn_impl", "accelerator_config"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
                   "tiled_mlp_use_original_mlp": None}
@@ -338,7 +333,7 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
         data.get("gradient_checkpointing_kwargs"))).add(equivalents.fsdp_list(data.get("fsdp")))
     out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys)).add(
         equivalents.accelerator_config(data))
-    for key in KERNEL_KEYS:
+    for key in keys.KERNEL_KEYS:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")
     if data.get("torch_compile_mode"):  # inductor's tuning of the same graphs

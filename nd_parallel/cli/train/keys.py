@@ -45,6 +45,12 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            # is a full fine-tuning anyway
            "full_finetune"}
 
+# Fused CUDA/Triton kernels of the same computation: accepted with one line each, not applied. The last two are
+# Axolotl's kernels newer than 0.19 (DeepSeek-V4, GLM-5's sparse attention).
+KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_mlp", "use_kernels",
+               "lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel", "fused_attn_kernel",
+               "use_dsv4_kernels", "use_glm_dsa_kernels")
+
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 # RL and reward-model trainers compute their own losses (preference pairs, reference models, rewards): nd_parallel's
 # Trainer callback and Axolotl plugin are proven with the Trainer's and TRL SFTTrainer's token-mean loss only.
