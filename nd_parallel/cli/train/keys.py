@@ -193,7 +193,11 @@ def value_refusals(d: dict) -> list[str]:
     model_type = d.get("model_type")
     causal = model_type in (None, "AutoModelForCausalLM") or str(model_type).endswith("ForCausalLM")
     reward = d.get("reward_model") or d.get("process_reward_model")  # reward.py checks its heads
-    if not causal and not is_multimodal_class(model_type) and not reward:  # multimodal.py: needs a processor
+    if model_type == "MambaLMHeadModel":  # mamba_ssm's own class (Axolotl's examples/mamba): CUDA kernels
+        out.append("model_type='MambaLMHeadModel' is mamba_ssm's class (CUDA-only kernels, its own checkpoint "
+                   "format); train transformers' port instead: a transformers-format checkpoint (e.g. "
+                   "state-spaces/mamba-2.8b-hf) with model_type: MambaForCausalLM, or model_type left out")
+    elif not causal and not is_multimodal_class(model_type) and not reward:  # multimodal.py: needs a processor
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
 
