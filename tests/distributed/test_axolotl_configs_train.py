@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 32 of the 71 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 33 of the 72 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -34,7 +34,7 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2",
            "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
-           "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2"]
+           "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -184,6 +184,18 @@ def test_lora_on_quantized_expert_tensors_trains(runs):
     assert sorted(rows.values()) == sorted([2 * config["moe_intermediate_size"], config["hidden_size"]] * 2)
     assert all(n == 2 * config["moe_intermediate_size"] for k, n in rows.items() if ".experts.base_layer." in k)
     assert not [k for k in saved if "parametrizations" in k]
+
+
+def test_save_strategy_best_keeps_the_improving_evaluations(runs):
+    """save_strategy: best with metric_for_best_model: loss under FSDP2: a checkpoint exactly at the steps whose
+    evaluation loss is a new minimum (and not at the others)."""
+    root, jobs = runs
+    out = Path(jobs["llama_save_best_fsdp2"].train.output_dir)
+    evals = {row["step"]: row["eval_loss"] for row in logged(out, "eval_log.jsonl")}
+    best = [s for s in sorted(evals) if evals[s] < min([evals[t] for t in evals if t < s], default=math.inf)]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    assert sorted(evals) == [1, 2] and saved == best, (evals, saved)
+    assert len(best) < len(evals), evals  # the recipe has an evaluation that does not improve: nothing saved there
 
 
 def test_mistral_common_run_keeps_its_tokenizer(runs):

@@ -245,3 +245,28 @@ def test_accelerator_config_sync_each_batch_is_read_and_the_rest_refused(tmp_pat
     assert "accelerator_config.split_batches=True: nd_parallel splits and accumulates batches itself" in message
     assert "accelerator_config.gradient_accumulation_kwargs={'num_steps': 4}" in message
     assert "accelerator_config=3: write a mapping" in _refusal(tmp_path, data, accelerator_config=3)
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"save_strategy": "best", "val_set_size": 0.2}, r"save_strategy=best without metric_for_best_model \(Axolotl"),
+    ({"save_strategy": "best", "metric_for_best_model": "loss"}, r"save_strategy=best without an evaluation: .*"
+                                                                 r"set val_set_size"),
+    ({"metric_for_best_model": "accuracy", "val_set_size": 0.2}, r"metric_for_best_model='accuracy': the "
+                                                                 r"evaluation reports the loss only"),
+    ({"greater_is_better": "yes"}, r"greater_is_better='yes'; use true or false"),
+    ({"eval_strategy": "best"}, r"eval_strategy='best': use one of no, steps, epoch"),
+])
+def test_best_checkpoint_keys_refused_where_nothing_or_the_wrong_thing_would_be_saved(tmp_path, data, keys, match):
+    assert re.search(match, _refusal(tmp_path, data, **keys))
+
+
+def test_save_strategy_best_reaches_the_trainer(tmp_path, data):
+    """save_strategy: best with metric_for_best_model / greater_is_better: the Trainer's arguments as Axolotl
+    passes them (a checkpoint at each evaluation that improves the metric; test_axolotl_configs_train.py runs it)."""
+    cfg = _config(tmp_path, data, save_strategy="best", metric_for_best_model="loss", greater_is_better=False,
+                  val_set_size=0.2, eval_steps=1)
+    args = trainer_arguments(cfg, "a", train_rows=20, eval_rows=5, dp=1)
+    assert (args["save_strategy"], args["metric_for_best_model"], args["greater_is_better"]) == ("best", "loss", False)
+    from transformers import TrainingArguments
+
+    assert TrainingArguments(**args).save_strategy == "best"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import restarts
+from . import objective, restarts
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -166,6 +166,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         args["save_steps"] = save_every or 500
     if cfg.early_stopping_patience:  # Axolotl: load_best_model_at_end on eval_loss (the Trainer's default metric)
         args["load_best_model_at_end"] = True
+    args.update(objective.best_args(cfg))  # save_strategy: best's metric_for_best_model, greater_is_better
     if cfg.curriculum_sampling:  # Axolotl's SequentialSampler; the dp ranks take consecutive parts of each batch
         args["train_sampling_strategy"] = "sequential"
     if cfg.save_only_model:  # checkpoints: the model only (plugins/trainer/adopt.py writes it whole)

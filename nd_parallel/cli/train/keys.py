@@ -187,9 +187,9 @@ def value_refusals(d: dict) -> list[str]:
         out.append(f"lr_scheduler={d['lr_scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
     if d.get("bf16", "auto") not in (True, False, "auto"):
         out.append(f"bf16={d['bf16']!r}; use true, false or auto")
-    for key in ("save_strategy", "eval_strategy"):
-        if d.get(key) not in (None, *SAVE_STRATEGIES):
-            out.append(f"{key}={d[key]!r}: use one of {', '.join(SAVE_STRATEGIES)}")
+    for key, allowed in (("save_strategy", (*SAVE_STRATEGIES, "best")), ("eval_strategy", SAVE_STRATEGIES)):
+        if d.get(key) not in (None, *allowed):  # best: a checkpoint at each new best evaluation (objective.py)
+            out.append(f"{key}={d[key]!r}: use one of {', '.join(allowed)}")
     model_type = d.get("model_type")
     causal = model_type in (None, "AutoModelForCausalLM") or str(model_type).endswith("ForCausalLM")
     reward = d.get("reward_model") or d.get("process_reward_model")  # reward.py checks its heads

@@ -1,6 +1,7 @@
 """Axolotl keys about what the model computes in training and the class its config is read with: ``use_eaft``
 (with ``eaft_alpha``, ``eaft_k``), ``use_onebitllms`` (1.58-bit linear layers, nd_parallel/models/bitnet.py),
-``cls_model_config``, ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``), and how a LoRA adapter
+``cls_model_config``, ``evaluation_strategy`` (Axolotl's old name of ``eval_strategy``) with the best-checkpoint
+keys (``save_strategy: best``, ``metric_for_best_model``, ``greater_is_better``), and how a LoRA adapter
 starts: ``peft: {loftq_config: {loftq_bits}}`` (LoftQ, nd_parallel/models/loftq.py); ``qat:``'s checks (its fake
 quantizers: nd_parallel/models/qat.py) live here too.
 
@@ -41,6 +42,10 @@ class ObjectiveOptions:
     quantized round trip, the adapter by the SVD of the difference)."""
     evaluation_strategy: str | None = None
     """Axolotl's deprecated name of eval_strategy: read as eval_strategy when that is not set (Axolotl's rule)."""
+    metric_for_best_model: str | None = None
+    """The evaluation metric that picks the best checkpoint (save_strategy: best, early_stopping_patience): loss."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better (the Trainer's default for a loss: false)."""
 
 
 def objective_refusals(d: dict) -> list[str]:
@@ -61,10 +66,45 @@ def objective_refusals(d: dict) -> list[str]:
     out += _onebitllms(d) + _peft(d) + _qat(d)
     if d.get("llama4_linearized_experts") not in (None, True, False):
         out.append(f"llama4_linearized_experts={d['llama4_linearized_experts']!r}; use true or false")
+    out += _best_checkpoint(d)
     name = d.get("cls_model_config")
     if name is not None and _config_class(name) is None:
         out.append(f"cls_model_config={name!r} is not a transformers config class; write one such as "
                    "Gemma3TextConfig or LlamaConfig, or drop it (AutoConfig reads the checkpoint's own)")
+    return out
+
+
+BEST_METRICS = ("loss", "eval_loss")  # what the evaluation here reports (callbacks.EVAL_LOG_FILE)
+
+
+def _best_checkpoint(d: dict) -> list[str]:
+    """save_strategy: best (the Trainer's: a checkpoint at each evaluation that improves metric_for_best_model), with
+    Axolotl's rule (it needs metric_for_best_model) and what would save nothing or fail after training started: no
+    evaluation, or a metric the evaluation does not report."""
+    out, metric, better = [], d.get("metric_for_best_model"), d.get("greater_is_better")
+    if metric is not None and metric not in BEST_METRICS:
+        out.append(f"metric_for_best_model={metric!r}: the evaluation reports the loss only; use "
+                   f"metric_for_best_model: loss (or eval_loss)")
+    if better is not None and not isinstance(better, bool):
+        out.append(f"greater_is_better={better!r}; use true or false")
+    if d.get("save_strategy") == "best":
+        if metric is None:
+            out.append("save_strategy=best without metric_for_best_model (Axolotl's rule): set metric_for_best_model: "
+                       "loss")
+        no_evals = d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None
+        if not d.get("val_set_size") or no_evals or d.get("eval_strategy") == "no":
+            out.append("save_strategy=best without an evaluation: a checkpoint is saved when an evaluation improves "
+                       "metric_for_best_model, so none would be; set val_set_size (e.g. 0.05) and eval_steps")
+    return out
+
+
+def best_args(t: ObjectiveOptions) -> dict[str, Any]:
+    """TrainingArguments for the keys above (save_strategy itself is passed as written)."""
+    out: dict[str, Any] = {}
+    if t.metric_for_best_model is not None:
+        out["metric_for_best_model"] = t.metric_for_best_model
+    if t.greater_is_better is not None:
+        out["greater_is_better"] = t.greater_is_better
     return out
 
 
