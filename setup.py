@@ -25,8 +25,10 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "deepspeed>=0.19.8,<0.20", "matplotlib>=3.7", "trl>=1.9,<2",
                  "bitsandbytes>=0.50.2,<0.51", "mistral-common[opencv]>=1.11.5,<2", "torchao>=0.17,<0.19",
-                 "scipy>=1.11"],
+                 "scipy>=1.11", "sacrebleu>=2.4,<3"],
         "bench": ["matplotlib>=3.7"],
+        # do_causal_lm_eval's sacrebleu / chrf / ter (cli/train/lm_eval.py); perplexity needs nothing more
+        "eval": ["sacrebleu>=2.4,<3"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
         # TRL's SFTTrainer under every layout (plugins/trainer/sft.py): 1.9 is what Axolotl 0.19 pins, 1.16 is tested
         "trl": ["trl>=1.9,<2"],

@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 33 of the 72 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 34 of the 73 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -34,7 +34,8 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "qwen3_qat_fsdp2", "llama3_kto_lora_cp2", "gemma3_eaft_text", "chatml_dpo_ultra_tp2",
            "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
-           "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2"]
+           "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
+           "phi3_causal_lm_eval_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -196,6 +197,33 @@ def test_save_strategy_best_keeps_the_improving_evaluations(runs):
     saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert sorted(evals) == [1, 2] and saved == best, (evals, saved)
     assert len(best) < len(evals), evals  # the recipe has an evaluation that does not improve: nothing saved there
+
+
+def test_causal_lm_eval_under_fsdp2_equals_one_process(runs):
+    """do_causal_lm_eval under FSDP2: the generation metrics of the last evaluation (after step 2: the saved model's
+    weights) equal the same metrics computed in one process from the saved model on the same evaluation split, and
+    the predictions score something (the references are not empty)."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.cli.train import lm_eval
+    from nd_parallel.cli.train.data import load_prepared
+
+    root, jobs = runs
+    job = jobs["phi3_causal_lm_eval_fsdp2"]
+    out = Path(job.train.output_dir)
+    rows = [row for row in logged(out, "eval_log.jsonl") if "eval_perplexity" in row]
+    assert [row["step"] for row in rows] == [2], rows
+    _, evals, tokenizer = load_prepared(job.prepared)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    pairs = lm_eval.split_rows(evals, tokenizer.pad_token_id)
+    references = [tokenizer.decode(r, skip_special_tokens=True) for _, r in pairs]
+    assert len(pairs) == len(evals) and all(references), references
+    predictions = lm_eval.generate(model, [p for p, _ in pairs], 8, tokenizer, 0, 1)
+    want = lm_eval.scores(["sacrebleu", "chrf", "ter"], predictions, references)
+    want["eval_perplexity"] = lm_eval.perplexity(model, references, tokenizer, 8, 2)
+    got = {k: rows[0][k] for k in want}
+    print(f"\ncausal LM eval under FSDP2 {got}, one process {want}")
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
 
 
 def test_mistral_common_run_keeps_its_tokenizer(runs):

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 
 LOG_FILE = "train_log.jsonl"
 EVAL_LOG_FILE = "eval_log.jsonl"
+GENERATION_METRICS = ("eval_sacrebleu", "eval_chrf", "eval_ter", "eval_perplexity")
 
 
 class ProgressAndLog(TrainerCallback):
@@ -51,6 +52,10 @@ class ProgressAndLog(TrainerCallback):
         if "eval_loss" in logs:
             self._write(EVAL_LOG_FILE, {"step": step, "eval_loss": logs["eval_loss"]})
             self.bar.write(f"step {step}/{state.max_steps}  eval_loss {logs['eval_loss']:.4f}")
+        generated = {k: v for k, v in logs.items() if k in GENERATION_METRICS}  # do_causal_lm_eval (lm_eval.py)
+        if generated:
+            self._write(EVAL_LOG_FILE, {"step": step, **generated})
+            self.bar.write(f"step {step}/{state.max_steps}  " + "  ".join(f"{k} {v:.4f}" for k, v in generated.items()))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:

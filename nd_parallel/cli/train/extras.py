@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import prequantized, restarts
+from . import lm_eval, prequantized, restarts
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -84,7 +84,7 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
 
 def model_kind_refusals(d: dict, layout) -> list[str]:
     """The config stage's refusals for a vision-language model (multimodal.py) or a reward model (reward.py)."""
-    return multimodal_refusals(d, layout) + reward_refusals(d, layout)
+    return multimodal_refusals(d, layout) + reward_refusals(d, layout) + lm_eval.refusals(d, layout)
 
 
 def extra_refusals(d: dict) -> list[str]:
@@ -257,7 +257,7 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d))
-    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d)
+    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

@@ -31,12 +31,12 @@ SAVE_STRATEGIES = ("no", "steps", "epoch")
 LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_")
 LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_metrics", "use_swanlab", "strict",
            "push_dataset_to_hub", "hf_use_auth_token", "debug", "is_preprocess", "eval_table_size",
-           "eval_max_new_tokens", "include_tokens_per_second", "include_tkps", "profiler_steps", "logging_dir",
+           "include_tokens_per_second", "include_tkps", "profiler_steps", "logging_dir",
            "dataset_processes", "dataset_num_proc", "dataloader_num_workers", "dataloader_pin_memory",
            "dataloader_prefetch_factor", "dataloader_drop_last", "local_rank", "sample_packing_eff_est",
            "sample_packing_bin_size", "sample_packing_group_size", "tokenizer_save_jinja_files", "save_safetensors",
            "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
-           "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "eval_causal_lm_metrics", "gc_steps",
+           "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "gc_steps",
            "dataset_keep_in_memory", "shuffle_before_merging_datasets",
            # placement and DDP tuning without numeric effect here (nd_parallel places by rank and builds its own DDP)
            "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "low_cpu_mem_usage",

@@ -46,6 +46,12 @@ class ObjectiveOptions:
     """The evaluation metric that picks the best checkpoint (save_strategy: best, early_stopping_patience): loss."""
     greater_is_better: bool | None = None
     """Whether a larger metric_for_best_model is better (the Trainer's default for a loss: false)."""
+    do_causal_lm_eval: bool = False
+    """At each evaluation, generation metrics on the evaluation split (lm_eval.py: sacrebleu, chrf, ter, perplexity)."""
+    eval_causal_lm_metrics: list[str] | None = None
+    """The metrics do_causal_lm_eval computes (default: Axolotl's sacrebleu, ter, chrf; comet is not loaded)."""
+    eval_max_new_tokens: int | None = None
+    """Tokens generated per evaluation prompt, and perplexity's window (Axolotl's default 128)."""
 
 
 def objective_refusals(d: dict) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import objective, prequantized, restarts
+from . import lm_eval, objective, prequantized, restarts
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -241,7 +241,7 @@ def _run_train(job: TrainJob) -> dict:
         from .schedules import use_jagged_restarts
 
         use_jagged_restarts(trainer, t)
-    for callback in restarts.callbacks(t, trainer):  # lisa_*, relora (restarts.py)
+    for callback in [*restarts.callbacks(t, trainer), *lm_eval.callbacks(t, trainer)]:  # lisa, relora, eval metrics
         trainer.add_callback(callback)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
