@@ -93,6 +93,8 @@ def resolve_train_layout(cfg, path, nproc: int | None, cpu: bool, nnodes: int = 
         # the planner chooses the layout; how the run reacts to faults stays what the YAML says
         cfg.parallel = dataclasses.replace(planned, **{k: getattr(cfg.parallel, k) for k in RUN_OPTIONS})
         cfg.parallel.plan = planned.plan
+    if nproc is None and getattr(cfg, "use_ray", False) and not inside_launched_rank():  # Axolotl's Ray workers
+        nproc = cfg.ray_num_workers or 1
     config, nproc, device = choose_ranks(cfg.parallel, nproc, cpu, cpu_fallback=False, nnodes=nnodes)
     if cfg.lr_scaling:
         from .plan import scaled_learning_rate

@@ -270,3 +270,19 @@ def test_save_strategy_best_reaches_the_trainer(tmp_path, data):
     from transformers import TrainingArguments
 
     assert TrainingArguments(**args).save_strategy == "best"
+
+
+def test_use_ray_starts_ray_num_workers_ranks(tmp_path, data):
+    """Axolotl's use_ray with ray_num_workers (llama-3/lora-1b-ray.yml: ZeRO-3 json, 4 workers): the ranks are
+    nd-parallel train's own, ray_num_workers of them unless --nproc is given (the same training), said in one line;
+    a worker count that is not a count is refused."""
+    from nd_parallel.cli.ranks import resolve_train_layout
+
+    cfg = _config(tmp_path, data, use_ray=True, ray_num_workers=4, ray_run_name="r", dp_shard_size=-1)
+    assert any(n.startswith("use_ray: nd-parallel train starts the ranks itself") for n in cfg.notes), cfg.notes
+    config, nproc, _ = resolve_train_layout(cfg, "c.yml", None, cpu=True)
+    assert (nproc, config.dp_shard_size) == (4, 4)
+    cfg = _config(tmp_path, data, use_ray=True, ray_num_workers=4, dp_shard_size=-1)
+    assert resolve_train_layout(cfg, "c.yml", 2, cpu=True)[1] == 2  # --nproc wins
+    assert "ray_num_workers=0: write an integer >= 1" in _refusal(tmp_path, data, use_ray=True, ray_num_workers=0)
+    assert "one accelerator each" in _refusal(tmp_path, data, use_ray=True, resources_per_worker={"GPU": 2})

@@ -64,6 +64,10 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
     """Accepted as read: packing here always lays samples into rows in their order (next-fit), what true asks for."""
     float16: bool = False
     """Axolotl's fp16 weights without loss scaling: trained as fp16 mixed precision (mixed_precision)."""
+    use_ray: bool = False
+    """Axolotl's Ray Train launch: here nd-parallel train starts the ranks (torchrun), ray_num_workers of them."""
+    ray_num_workers: int | None = None
+    """With use_ray: the number of ranks when --nproc is not given (Axolotl's default 1)."""
     lr_quadratic_warmup: bool = False
     """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
     get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
@@ -102,6 +106,10 @@ def extra_refusals(d: dict) -> list[str]:
         d["bf16"] = True
     out += _half_precision(d)
     out += _batch_size(d)
+    workers = d.get("ray_num_workers")
+    if d.get("use_ray") and workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                                     or workers < 1):
+        out.append(f"ray_num_workers={workers!r}: write an integer >= 1 (the number of ranks)")
     ratio = d.get("cosine_min_lr_ratio")
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
@@ -256,7 +264,7 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
-    notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d))
+    notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
     return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d)
 
 
@@ -284,6 +292,15 @@ def _half_precision(d: dict) -> list[str]:
     if d.get("bf16") is True and d.get("fp16"):
         d["fp16"] = False  # Axolotl: "if cfg.bf16: cfg.fp16 = False"
     return []
+
+
+def ray_note(d: dict) -> str | None:
+    """use_ray: what starts the ranks here (ranks.resolve_train_layout reads ray_num_workers)."""
+    if not d.get("use_ray"):
+        return None
+    return (f"use_ray: nd-parallel train starts the ranks itself (torchrun), not Ray Train: ray_num_workers="
+            f"{d.get('ray_num_workers') or 1} ranks unless --nproc says otherwise, the same training; Ray's cluster "
+            "scheduling is not used (several machines: --nnodes)")
 
 
 def half_precision_note(d: dict) -> str | None:

@@ -30,7 +30,7 @@ SAVE_STRATEGIES = ("no", "steps", "epoch")
 
 LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_")
 LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_metrics", "use_swanlab", "strict",
-           "push_dataset_to_hub", "hf_use_auth_token", "debug", "is_preprocess", "eval_table_size",
+           "push_dataset_to_hub", "hf_use_auth_token", "debug", "is_preprocess", "eval_table_size", "ray_run_name",
            "include_tokens_per_second", "include_tkps", "profiler_steps", "logging_dir",
            "dataset_processes", "dataset_num_proc", "dataloader_num_workers", "dataloader_pin_memory",
            "dataloader_prefetch_factor", "dataloader_drop_last", "local_rank", "sample_packing_eff_est",
@@ -90,6 +90,8 @@ REFUSED = {
            + _PLUGIN,
     "fp8_enable_fsdp_float8_all_gather": "belongs to fp8 (FSDP2 all-gathers the FP8 weights), not applied: drop it "
                                          "with fp8",
+    "resources_per_worker": "Ray's per-worker resources: nd-parallel train starts its own ranks (use_ray), one "
+                            "accelerator each (or one CPU process); drop it",
     "llmcompressor": "sparse fine-tuning with llm-compressor recipes (pruning masks kept during training) is not "
                      "implemented: " + _PLUGIN,
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
