@@ -171,9 +171,11 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
-    assert "6 setting(s) cannot be used" in message and "valid keys are" not in message, message
+    assert "7 setting(s) cannot be used" in message and "valid keys are" not in message, message
     for needle in ("pre-quantized NVFP4 checkpoints are not loaded", "FP4 grouped expert kernels",
-                   "llm-compressor recipes", "rl='grpo': nd-parallel train runs rl: dpo, ipo",
+                   "llmcompressor.recipe has no modifier",
+                   "list axolotl.integrations.llm_compressor.LLMCompressorPlugin under plugins:",
+                   "rl='grpo': nd-parallel train runs rl: dpo, ipo",
                    "fp8=True: FP8 training runs its matmuls on CUDA FP8 tensor cores", "train in bf16",
                    "fp8_enable_fsdp_float8_all_gather=True: belongs to fp8"):
         assert needle in message, (needle, message)

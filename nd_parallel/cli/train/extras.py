@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import lm_eval, prequantized, restarts
+from . import lm_eval, prequantized, restarts, sparsity
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -29,7 +29,8 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 
 @dataclass(kw_only=True)
-class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions):  # lisa_*, relora*
+class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
+                    sparsity.SparsityOptions):  # lisa_*, relora*; llmcompressor
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -131,7 +132,7 @@ def extra_refusals(d: dict) -> list[str]:
         elif targets and d.get("lora_dropout"):  # Axolotl's rule: peft's ParamWrapper refuses dropout
             out.append(f"lora_dropout={d['lora_dropout']!r} with lora_target_parameters: LoRA on parameter tensors "
                        "cannot apply dropout (peft refuses it, and so does Axolotl); set lora_dropout: 0")
-    out += _moe_quantization(d) + prequantized.refusals(d) + restarts.refusals(d)  # lisa, relora
+    out += _moe_quantization(d) + prequantized.refusals(d) + restarts.refusals(d) + sparsity.refusals(d)
     impl = d.get("experts_implementation")
     if impl is not None and not isinstance(impl, str):
         out.append(f"experts_implementation={impl!r}: write one of {', '.join(EXPERTS)}")
@@ -265,7 +266,8 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
-    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d)
+    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
+        sparsity.notes(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

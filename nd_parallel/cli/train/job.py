@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import objective, restarts
+from . import objective, restarts, sparsity
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -278,6 +278,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     check_installed(cfg.optimizer, path)
     check_layout(cfg, layout, path)
     restarts.check_layout(cfg, layout, path)  # lisa / relora
+    sparsity.check_layout(cfg, layout, path)  # llmcompressor's masks
     check_local_model(cfg, layout, path)
     check_llama4_experts(cfg, cfg.base_model, layout, path)
     prepared = prepare(cfg, workdir, dp=layout.dp_size)  # a stream is read for this many dp ranks' batches

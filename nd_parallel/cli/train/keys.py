@@ -92,8 +92,6 @@ REFUSED = {
                                          "with fp8",
     "resources_per_worker": "Ray's per-worker resources: nd-parallel train starts its own ranks (use_ray), one "
                             "accelerator each (or one CPU process); drop it",
-    "llmcompressor": "sparse fine-tuning with llm-compressor recipes (pruning masks kept during training) is not "
-                     "implemented: " + _PLUGIN,
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 

@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import lm_eval, objective, prequantized, restarts
+from . import lm_eval, objective, prequantized, restarts, sparsity
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -94,6 +94,12 @@ def _model(t: TrainConfig, tokenizer):
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
               "other LoRA layers use it", flush=True)
     return freeze_mm_modules(model) if t.freeze_mm_modules else model
+
+
+def _extra_callbacks(t, trainer) -> list:
+    """LISA / ReLoRA (restarts.py), do_causal_lm_eval's metrics (lm_eval.py), the LLM Compressor plugin's masks
+    (sparsity.py): each an empty list unless its keys are set."""
+    return [*restarts.callbacks(t, trainer), *lm_eval.callbacks(t, trainer), *sparsity.callbacks(t, trainer)]
 
 
 def freeze_mm_modules(model):
@@ -241,7 +247,7 @@ def _run_train(job: TrainJob) -> dict:
         from .schedules import use_jagged_restarts
 
         use_jagged_restarts(trainer, t)
-    for callback in [*restarts.callbacks(t, trainer), *lm_eval.callbacks(t, trainer)]:  # lisa, relora, eval metrics
+    for callback in _extra_callbacks(t, trainer):  # lisa, relora, generation metrics, sparsity masks
         trainer.add_callback(callback)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
