@@ -111,10 +111,10 @@ def test_bad_input_named_with_file_key_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"ep_size=2 does not fit dp_shard_size=3"):
         load_train_config(_write(tmp_path, "expert_parallel_size: 2\ndp_shard_size: 3\nplugins: "
                                            "[axolotl.integrations.expert_parallel.ExpertParallelPlugin]\n"), environ={})
-    # a plugin outside the table (diffusion changes the objective under Axolotl) is refused, not silently dropped
-    with pytest.raises(ConfigError, match=r"plugins: 'axolotl.integrations.diffusion.DiffusionPlugin' is not run by "
+    # a plugin outside the table (knowledge distillation changes the objective under Axolotl) is refused, not dropped
+    with pytest.raises(ConfigError, match=r"plugins: 'axolotl.integrations.kd.KDPlugin' is not run by "
                                           r"nd-parallel train .* Known here: .*LigerPlugin"):
-        load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.diffusion.DiffusionPlugin]\n"), environ={})
+        load_train_config(_write(tmp_path, "plugins: [axolotl.integrations.kd.KDPlugin]\n"), environ={})
     load_train_config(_write(tmp_path, "plugins: [nd_parallel.plugins.axolotl.NDParallelAxolotlPlugin]\n"), environ={})
     with pytest.raises(ConfigError, match=r"fsdp: 'hybrid_shard': set dp_replicate_size"):
         load_train_config(_write(tmp_path, "fsdp: [hybrid_shard, auto_wrap]\n"), environ={})

@@ -186,7 +186,7 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     fsdp_wrap_classes: list[str] = field(default_factory=list)  # fsdp_config's, for job.check_local_model
 
 
-_NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation"}  # fields no YAML key sets
+_NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation", "fsdp_wrap_classes"}
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
 # MAPPED: read by equivalents.py (keys.KERNEL_KEYS: fused kernels of the same computation, one line each)
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *keys.KERNEL_KEYS, "bfloat16", "float16",

@@ -269,6 +269,8 @@ PLUGINS = {
          "expert_parallel_fallback_on_unsupported"), "DeepEP communication tuning: nd_parallel moves the tokens "
                                                      "with its own all-to-all"),
     "axolotl.integrations.swanlab.SwanLabPlugin": {},  # swanlab_* are loggers (keys.LOGGING_PREFIXES)
+    "axolotl.integrations.diffusion.DiffusionPlugin": {
+        "diffusion": "masked-diffusion training of the model (cli/train/diffusion.py)"},
     "axolotl.integrations.llm_compressor.LLMCompressorPlugin": {
         "llmcompressor": "sparse fine-tuning: the recipe's ConstantPruningModifier keeps the targeted parameters' "
                          "zeros (cli/train/sparsity.py)"},
@@ -310,8 +312,8 @@ OWN_PLUGIN = "nd_parallel.plugins.axolotl.NDParallelAxolotlPlugin"  # what nd-pa
 
 def plugins(d: dict, keys: dict[str, str]) -> Mapped:
     """What the plugin keys set in `d` do here: expert_parallel_size -> ep_size (where nd_parallel has it);
-    kernel switches accepted with one line each. A plugin outside ``PLUGINS`` (the diffusion objective,
-    third-party ones) would change training under Axolotl: refused, never dropped."""
+    kernel switches accepted with one line each. A plugin outside ``PLUGINS`` (third-party ones) would change
+    training under Axolotl: refused, never dropped."""
     out = Mapped()
     for name in d.get("plugins") or []:
         if not isinstance(name, str):

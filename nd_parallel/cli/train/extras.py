@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import lm_eval, prequantized, restarts, sparsity
+from . import diffusion, lm_eval, prequantized, restarts, sparsity
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -30,7 +30,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 @dataclass(kw_only=True)
 class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
-                    sparsity.SparsityOptions):  # lisa_*, relora*; llmcompressor
+                    sparsity.SparsityOptions, diffusion.DiffusionOptions):  # lisa_*, relora*; plugins' blocks
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -89,7 +89,8 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
 
 def model_kind_refusals(d: dict, layout) -> list[str]:
     """The config stage's refusals for a vision-language model (multimodal.py) or a reward model (reward.py)."""
-    return multimodal_refusals(d, layout) + reward_refusals(d, layout) + lm_eval.refusals(d, layout)
+    return multimodal_refusals(d, layout) + reward_refusals(d, layout) + lm_eval.refusals(d, layout) + \
+        diffusion.refusals(d, layout)
 
 
 def extra_refusals(d: dict) -> list[str]:
@@ -267,7 +268,7 @@ def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
     return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
-        sparsity.notes(d)
+        sparsity.notes(d) + diffusion.notes(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import lm_eval, objective, prequantized, restarts, sparsity
+from . import diffusion, lm_eval, objective, prequantized, restarts, sparsity
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -234,7 +234,7 @@ def _run_train(job: TrainJob) -> dict:
 
             collator = MultimodalCollator(*load_prepared_processor(job.prepared, t.trust_remote_code))
             parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
-        trainer = Trainer(args=TrainingArguments(**job.trainer_args), data_collator=collator, **parts)
+        trainer = diffusion.trainer(t, Trainer, TrainingArguments(**job.trainer_args), collator, parts)  # or plain
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
         from .schedules import use_muon
 
