@@ -83,6 +83,8 @@ def _d(**block):
     ({**_d(), "rl": "dpo"}, None, "diffusion with rl"),
     (_d(), dict(tp_size=2), "diffusion with tp_size=2"),
     (_d(), dict(cp_size=2), "diffusion with cp_size=2"),
+    ({**_d(), "attn_implementation": "flash_attention_2"}, None, "needs attn_implementation: sdpa or eager"),
+    ({**_d(), "flash_attention": True}, None, "diffusion with flash_attention: its bidirectional 4-D"),
 ])
 def test_what_cannot_run_is_refused_in_the_config_stage(d, layout, needle):
     out = diffusion.refusals(d, ParallelismConfig(**layout) if layout else ParallelismConfig(dp_shard_size=2))

@@ -76,6 +76,11 @@ def refusals(d: dict, layout) -> list[str]:
     if d.get("rl") or d.get("reward_model") or d.get("process_reward_model") or d.get("processor_type"):
         out.append("diffusion with rl, a reward model or processor_type: Axolotl's diffusion objective trains a "
                    "text causal LM; drop one of them")
+    aliases = ("flash_attention", "flex_attention", "xformers_attention", "sage_attention")
+    kernel = d.get("attn_implementation") or next((k for k in aliases if d.get(k)), None)
+    if kernel not in (None, "sdpa", "eager", "sdp_attention", "eager_attention"):
+        out.append(f"diffusion with {kernel}: its bidirectional 4-D attention mask needs attn_implementation: sdpa or "
+                   "eager (as Axolotl's diffusion examples set)")
     split = {k: getattr(layout, k, 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size")} if layout else {}
     split = {k: v for k, v in split.items() if v > 1}
     if split:
