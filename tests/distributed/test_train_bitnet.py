@@ -15,6 +15,7 @@ import pytest
 from tests.distributed.train_yaml_helpers import (
     compare_runs,
     jobs_for,
+    layout_yamls,
     logged,
     run_jobs,
     write_model_and_data,
@@ -33,10 +34,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=48)
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
-                for name, (sizes, _) in LAYOUTS.items()]
-    refs = [write_yaml(root / f"ref{dp}.yaml", {**shared, "micro_batch_size": 2 * dp,
-                                                "output_dir": str(root / f"ref{dp}")}) for dp in (1, 2)]
+    parallel, refs = layout_yamls(root, shared, LAYOUTS)
     refs.append(write_yaml(root / "plain.yaml", {**shared, "use_onebitllms": False,
                                                  "output_dir": str(root / "plain")}))
     run_jobs(jobs_for(refs, root, 1), root, 1)

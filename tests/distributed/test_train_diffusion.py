@@ -13,6 +13,7 @@ import pytest
 from tests.distributed.train_yaml_helpers import (
     compare_runs,
     jobs_for,
+    layout_yamls,
     logged,
     run_jobs,
     write_model_and_data,
@@ -33,9 +34,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=96)  # 3 steps of 8 packed rows stay within the first epoch
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
-                for name, (sizes, _) in LAYOUTS.items()]
-    refs = [write_yaml(root / "ref2.yaml", {**shared, "micro_batch_size": 4, "output_dir": str(root / "ref2")})]
+    parallel, refs = layout_yamls(root, shared, LAYOUTS, dps=(2,))
     causal = {k: v for k, v in shared.items() if k not in ("plugins", "diffusion")}
     refs.append(write_yaml(root / "causal.yaml", {**causal, "micro_batch_size": 4, "output_dir": str(root / "causal")}))
     run_jobs(jobs_for(refs, root, 1), root, 1)

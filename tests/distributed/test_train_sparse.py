@@ -16,6 +16,7 @@ import torch
 from tests.distributed.train_yaml_helpers import (
     compare_runs,
     jobs_for,
+    layout_yamls,
     run_jobs,
     saved_tensors,
     write_model_and_data,
@@ -53,10 +54,7 @@ def runs(tmp_path_factory):
     _prune_2_of_4(data["model"])
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
-                for name, (sizes, _) in LAYOUTS.items()]
-    refs = [write_yaml(root / f"ref{dp}.yaml", {**shared, "micro_batch_size": 2 * dp,
-                                                "output_dir": str(root / f"ref{dp}")}) for dp in (1, 2)]
+    parallel, refs = layout_yamls(root, shared, LAYOUTS)
     plain = {k: v for k, v in shared.items() if k not in ("plugins", "llmcompressor")}
     refs.append(write_yaml(root / "plain.yaml", {**plain, "output_dir": str(root / "plain")}))
     run_jobs(jobs_for(refs, root, 1), root, 1)

@@ -44,6 +44,16 @@ def write_yaml(path: Path, cfg: dict) -> Path:
     return path
 
 
+def layout_yamls(root: Path, shared: dict, layouts: dict, dps=(1, 2)) -> tuple[list[Path], list[Path]]:
+    """(one YAML per layout, name -> (its sizes, its dp ranks); one-process references ``ref<dp>`` on the same
+    global batch: micro_batch_size x dp), each writing its run to root / its name."""
+    parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
+                for name, (sizes, _) in layouts.items()]
+    refs = [write_yaml(root / f"ref{dp}.yaml", {**shared, "micro_batch_size": shared["micro_batch_size"] * dp,
+                                                "output_dir": str(root / f"ref{dp}")}) for dp in dps]
+    return parallel, refs
+
+
 def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list:
     """The ranks' jobs, built exactly as `nd-parallel train` builds them (job.build_job)."""
     from nd_parallel.cli.ranks import resolve_train_layout

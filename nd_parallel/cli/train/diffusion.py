@@ -30,6 +30,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from .keys import model_splits
+
 PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
 USED = {"eps": 1e-3, "importance_weighting": True, "mask_token_id": None, "mask_token_str": None}
 UNREAD = ("noise_schedule", "min_mask_ratio", "max_mask_ratio", "num_diffusion_steps")
@@ -81,11 +83,10 @@ def refusals(d: dict, layout) -> list[str]:
     if kernel not in (None, "sdpa", "eager", "sdp_attention", "eager_attention"):
         out.append(f"diffusion with {kernel}: its bidirectional 4-D attention mask needs attn_implementation: sdpa or "
                    "eager (as Axolotl's diffusion examples set)")
-    split = {k: getattr(layout, k, 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size")} if layout else {}
-    split = {k: v for k, v in split.items() if v > 1}
+    split = model_splits(layout)
     if split:
-        out.append(f"diffusion with {', '.join(f'{k}={v}' for k, v in split.items())}: the bidirectional 4-D mask "
-                   "and the masked-token loss are read whole; use dp_shard_size / dp_replicate_size")
+        out.append(f"diffusion with {split}: the bidirectional 4-D mask and the masked-token loss are read whole; "
+                   "use dp_shard_size / dp_replicate_size")
     return out
 
 

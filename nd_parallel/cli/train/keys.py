@@ -167,6 +167,13 @@ def map_fsdp(version: Any, fsdp_config: Any) -> tuple[dict, list[tuple[str, str]
     return settings, refused
 
 
+def model_splits(layout) -> str:
+    """'tp_size=2, pp_size=2': the sizes above 1 of the parallelisms that split a model's forward (TP, PP, CP, EP),
+    for a refusal of a feature that needs the whole model in each rank's forward; '' when none does (or no layout)."""
+    sizes = {k: getattr(layout, k, 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size")} if layout else {}
+    return ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1)
+
+
 def wrap_classes(fsdp_config: Any) -> list[str]:
     """The class names fsdp_config's (fsdp_)transformer_layer_cls_to_wrap gives: a comma-separated string, as
     Accelerate reads it, or a list."""

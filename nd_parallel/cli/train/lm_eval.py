@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .keys import model_splits
+
 METRICS = ("sacrebleu", "chrf", "ter", "perplexity")
 AXOLOTL_DEFAULT = ("sacrebleu", "comet", "ter", "chrf")
 STRIDE = 512  # Axolotl's Perplexity window stride
@@ -49,11 +51,10 @@ def refusals(d: dict, layout) -> list[str]:
     if d.get("rl") or d.get("reward_model") or d.get("process_reward_model"):
         out.append("do_causal_lm_eval with rl / a reward model: it scores a causal LM's generations (Axolotl adds it "
                    "to supervised fine-tuning only); drop it")
-    split = {k: getattr(layout, k, 1) for k in ("tp_size", "pp_size", "cp_size", "ep_size")} if layout else {}
-    split = {k: v for k, v in split.items() if v > 1}
+    split = model_splits(layout)
     if split:
-        out.append(f"do_causal_lm_eval with {', '.join(f'{k}={v}' for k, v in split.items())}: generating needs the "
-                   "whole model in each rank's forward; use dp_shard_size / dp_replicate_size (FSDP2, DDP)")
+        out.append(f"do_causal_lm_eval with {split}: generating needs the whole model in each rank's forward; use "
+                   "dp_shard_size / dp_replicate_size (FSDP2, DDP)")
     if not d.get("val_set_size") or (d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None):
         out.append("do_causal_lm_eval without an evaluation: the metrics are computed at each evaluation; set "
                    "val_set_size (e.g. 0.05) and eval_steps")
