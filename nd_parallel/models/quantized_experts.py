@@ -102,6 +102,9 @@ def quantize_tensor(module: nn.Module, name: str, bits: int, quant_type: str = "
     import bitsandbytes.functional as bnbf
 
     if not hasattr(module, "_nd_parallel_param_order"):  # for LoRA on these tensors (models/peft.py)
+        from .peft import lora_on_parametrized_experts
+
+        lora_on_parametrized_experts()  # once per process: peft's fixes for adapters on parametrized experts
         module._nd_parallel_param_order = list(module._parameters)
     weight = getattr(module, name)
     if bits == 4:
@@ -128,9 +131,6 @@ def expert_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 def quantize_experts(model: nn.Module, bits: int, quant_type: str = "nf4", double_quant: bool = True) -> int:
     """Quantize the expert tensors of a loaded model in place, one at a time; returns how many. Peak memory is the
     float model: to quantize each tensor as it is read, load under ``quantizing_experts`` instead."""
-    from .peft import lora_on_parametrized_experts
-
-    lora_on_parametrized_experts()
     found = expert_tensors(model)
     for module, name in found.values():
         quantize_tensor(module, name, bits, quant_type, double_quant)
@@ -145,9 +145,6 @@ def quantizing_experts(bits: int, quant_type: str = "nf4", double_quant: bool = 
     exit. The names quantized are appended to ``done``."""
     import transformers.core_model_loading as loading
 
-    from .peft import lora_on_parametrized_experts
-
-    lora_on_parametrized_experts()
     original = loading.set_param_for_module
     targets: dict[int, dict] = {}  # id(model) -> its expert tensors, found once per load
     done = [] if done is None else done

@@ -125,11 +125,19 @@ def global_mean_loss(self, model, inputs, return_outputs, count: int):
             m._nd_parallel_cp.per_token_outputs = True
     out = type(self).compute_loss(self, model, inputs, return_outputs=return_outputs)
     loss, outputs = out if return_outputs else (out, None)
-    config = self.nd_parallel.config
-    if config.dp_size > 1:
-        group = self.nd_parallel.mesh["dp"].get_group()
-        local = torch.tensor(count, dtype=torch.float32, device=loss.device)
-        total = local.clone()
-        dist.all_reduce(total, group=group)
-        loss = global_value_local_grad(loss * (local / total), group)
+    loss = global_mean_share(self, loss, count)
     return (loss, outputs) if return_outputs else loss
+
+
+def global_mean_share(trainer, loss, count: int):
+    """``loss``, a mean over this rank's ``count`` examples, as this rank's share of the mean over the data-parallel
+    ranks' examples: nd_parallel sums the dp gradients; the value is the global mean (``global_value_local_grad``).
+    Unchanged without a layout or with one dp rank."""
+    plugin = getattr(trainer, "nd_parallel", None)
+    if plugin is None or plugin.config.dp_size == 1:
+        return loss
+    group = plugin.mesh["dp"].get_group()
+    local = torch.tensor(count, dtype=torch.float32, device=loss.device)
+    total = local.clone()
+    dist.all_reduce(total, group=group)
+    return global_value_local_grad(loss * (local / total), group)

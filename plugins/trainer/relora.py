@@ -59,7 +59,12 @@ def _assign(t: torch.Tensor, whole: torch.Tensor, add: bool = False) -> None:
 
 
 def generator(seed: int, step: int, name: str, what: str) -> torch.Generator:
-    key = zlib.crc32(f"{canonical(name)}|{what}".encode())
+    return keyed_generator(seed, step, zlib.crc32(f"{canonical(name)}|{what}".encode()))
+
+
+def keyed_generator(seed: int, step: int, key: int) -> torch.Generator:
+    """A CPU generator seeded by (seed, step, key), the same on every rank and in one process: the restarts' draws
+    here, and the diffusion objective's masks keyed by a row's tokens (cli/train/diffusion.py)."""
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_294_967_311 + key) % 2**63)
 
 

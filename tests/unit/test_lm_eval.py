@@ -84,6 +84,7 @@ def _d(**keys):
     (dict(eval_causal_lm_metrics="sacrebleu"), None, "write a list"),
     (dict(val_set_size=0), None, "without an evaluation"),
     (dict(evals_per_epoch=0, eval_steps=None), None, "without an evaluation"),
+    (dict(eval_strategy="no"), None, "without an evaluation"),
     (dict(rl="dpo"), None, "with rl / a reward model"),
     (dict(eval_max_new_tokens=0), None, "eval_max_new_tokens=0"),
     ({}, dict(tp_size=2), "do_causal_lm_eval with tp_size=2"),

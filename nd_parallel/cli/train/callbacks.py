@@ -12,9 +12,11 @@ import os
 
 from transformers import TrainerCallback
 
+from . import lm_eval
+
 LOG_FILE = "train_log.jsonl"
 EVAL_LOG_FILE = "eval_log.jsonl"
-GENERATION_METRICS = ("eval_sacrebleu", "eval_chrf", "eval_ter", "eval_perplexity")
+GENERATION_METRICS = tuple(f"eval_{name}" for name in lm_eval.METRICS)  # do_causal_lm_eval's (lm_eval.py)
 
 
 class ProgressAndLog(TrainerCallback):

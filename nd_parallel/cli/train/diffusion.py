@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .keys import model_splits
+from .reward import reward_kind
 
 PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
 USED = {"eps": 1e-3, "importance_weighting": True, "mask_token_id": None, "mask_token_str": None}
@@ -67,7 +68,7 @@ def refusals(d: dict, layout) -> list[str]:
             pass
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         out.append(f"diffusion.eps={eps!r}: write a number between 0 and 1 (the least masking probability)")
-    if not isinstance(block.get("importance_weighting", True), bool):
+    if not isinstance(block.get("importance_weighting", USED["importance_weighting"]), bool):
         out.append(f"diffusion.importance_weighting={block['importance_weighting']!r}; use true or false")
     token = block.get("mask_token_id")
     if token is None and not isinstance(block.get("mask_token_str"), str):
@@ -75,7 +76,7 @@ def refusals(d: dict, layout) -> list[str]:
                    "special tokens); Axolotl would add a new token and grow the embeddings, not done here")
     elif token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
         out.append(f"diffusion.mask_token_id={token!r}: write a token id")
-    if d.get("rl") or d.get("reward_model") or d.get("process_reward_model") or d.get("processor_type"):
+    if d.get("rl") or reward_kind(d) or d.get("processor_type"):
         out.append("diffusion with rl, a reward model or processor_type: Axolotl's diffusion objective trains a "
                    "text causal LM; drop one of them")
     aliases = ("flash_attention", "flex_attention", "xformers_attention", "sage_attention")
@@ -108,11 +109,8 @@ def segments(rows: list[dict], length: int):
 
     out = torch.zeros(len(rows), length, dtype=torch.long)
     for i, row in enumerate(rows):
-        positions = list(row.get("position_ids") or range(len(row["input_ids"])))
-        sample = 0
-        for j, p in enumerate(positions):
-            sample += p == 0
-            out[i, j] = sample
+        positions = torch.as_tensor(row.get("position_ids") or range(len(row["input_ids"])))
+        out[i, :len(positions)] = (positions == 0).cumsum(0)
     return out
 
 
@@ -120,12 +118,13 @@ def noise(input_ids, labels, sample_ids, special: set[int], eps: float, seed: in
     """(masked positions, masking probability per position) of a micro-batch, each row from its own generator."""
     import torch
 
+    from nd_parallel.plugins.trainer.relora import keyed_generator
+
     rows, length = input_ids.shape
     t = torch.empty(rows, dtype=torch.float32)
     draws = torch.empty(rows, length, dtype=torch.float32)
     for i in range(rows):  # (seed, step, the row's tokens): the same draws wherever the row lands
-        key = zlib.crc32(input_ids[i].cpu().numpy().tobytes())
-        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 4_294_967_311 + key)
+        g = keyed_generator(seed, step, zlib.crc32(input_ids[i].cpu().numpy().tobytes()))
         t[i] = torch.rand((), generator=g)
         draws[i] = torch.rand(length, generator=g)
     p = ((1 - eps) * t + eps)[:, None].expand(rows, length).to(input_ids.device)
@@ -154,7 +153,8 @@ def compute_loss(trainer, model, inputs: dict[str, Any], block: dict, special: s
     logits = model(input_ids=noised, attention_mask=attend[:, None]).logits
     logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)  # position i read from i - 1's output
     ce = F.cross_entropy(logits.float().transpose(1, 2), input_ids, reduction="none")
-    weighted = torch.where(masked, ce / p if block.get("importance_weighting", True) else ce, 0.0)
+    weighted = torch.where(masked, ce / p if block.get("importance_weighting", USED["importance_weighting"]) else ce,
+                           0.0)
     trained = (labels != -100).sum(1).clamp(min=1).float()
     return (weighted.sum(1) / trained).mean()  # on the graph even when nothing is masked: every rank backs
 
@@ -171,36 +171,21 @@ def trainer(t, base, args, collator, parts: dict):
         batch["sample_ids"] = segments(rows, batch["input_ids"].shape[1])
         return batch
 
+    from nd_parallel.plugins.trainer.dpo import global_mean_share
+
+    tokenizer = parts["processing_class"]
+    mask_id = mask_token(tokenizer, block)  # checked on every rank before training starts
+    special = {i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
+
     class DiffusionTrainer(base):
         loss_is_scaled_for_ga = False  # a mean over the micro-batch's rows: the Trainer averages micro-batches
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            tokenizer = self.processing_class
-            special = {i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
-                       if i is not None}
-            loss = global_mean(self, compute_loss(self, model, inputs, block, special, mask_token(tokenizer, block)),
-                               len(inputs["input_ids"]))
+            rows = len(inputs["input_ids"])  # each rank's row mean is its share of the global mean (dp sums)
+            loss = global_mean_share(self, compute_loss(self, model, inputs, block, special, mask_id), rows)
             return (loss, None) if return_outputs else loss
 
     return DiffusionTrainer(args=args, data_collator=collate, **parts)
-
-
-def global_mean(trainer, loss, rows: int):
-    """This rank's mean over its ``rows`` as its share of the mean over the data-parallel ranks' rows: nd_parallel
-    sums the dp gradients (the value: the global mean, for the log), as for TRL's mean-over-examples losses."""
-    import torch
-    import torch.distributed as dist
-
-    from nd_parallel.distributed.loss import global_value_local_grad
-
-    plugin = getattr(trainer, "nd_parallel", None)
-    if plugin is None or plugin.config.dp_size == 1:
-        return loss
-    group = plugin.mesh["dp"].get_group()
-    local = torch.tensor(float(rows), device=loss.device)
-    total = local.clone()
-    dist.all_reduce(total, group=group)
-    return global_value_local_grad(loss * (local / total), group)
 
 
 def mask_token(tokenizer, block: dict) -> int:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from typing import Any
 
 from .keys import model_splits
+from .objective import evaluates
+from .reward import reward_kind
 
 METRICS = ("sacrebleu", "chrf", "ter", "perplexity")
 AXOLOTL_DEFAULT = ("sacrebleu", "comet", "ter", "chrf")
@@ -48,14 +50,14 @@ def refusals(d: dict, layout) -> list[str]:
                        f"which nd-parallel train does not load; drop it (known: {', '.join(METRICS)})")
         elif name not in METRICS:
             out.append(f"eval_causal_lm_metrics: {name!r} is not a metric here; use {', '.join(METRICS)}")
-    if d.get("rl") or d.get("reward_model") or d.get("process_reward_model"):
+    if d.get("rl") or reward_kind(d):
         out.append("do_causal_lm_eval with rl / a reward model: it scores a causal LM's generations (Axolotl adds it "
                    "to supervised fine-tuning only); drop it")
     split = model_splits(layout)
     if split:
         out.append(f"do_causal_lm_eval with {split}: generating needs the whole model in each rank's forward; use "
                    "dp_shard_size / dp_replicate_size (FSDP2, DDP)")
-    if not d.get("val_set_size") or (d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None):
+    if not evaluates(d):
         out.append("do_causal_lm_eval without an evaluation: the metrics are computed at each evaluation; set "
                    "val_set_size (e.g. 0.05) and eval_steps")
     tokens = d.get("eval_max_new_tokens")

@@ -97,11 +97,17 @@ def _best_checkpoint(d: dict) -> list[str]:
         if metric is None:
             out.append("save_strategy=best without metric_for_best_model (Axolotl's rule): set metric_for_best_model: "
                        "loss")
-        no_evals = d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None
-        if not d.get("val_set_size") or no_evals or d.get("eval_strategy") == "no":
+        if not evaluates(d):
             out.append("save_strategy=best without an evaluation: a checkpoint is saved when an evaluation improves "
                        "metric_for_best_model, so none would be; set val_set_size (e.g. 0.05) and eval_steps")
     return out
+
+
+def evaluates(d: dict) -> bool:
+    """Whether the YAML mapping ``d`` evaluates during training: a held-out split, and not switched off (Axolotl's
+    evals_per_epoch: 0 without eval_steps, or eval_strategy: no)."""
+    no_evals = d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None
+    return bool(d.get("val_set_size")) and not no_evals and d.get("eval_strategy") != "no"
 
 
 def best_args(t: ObjectiveOptions) -> dict[str, Any]:
