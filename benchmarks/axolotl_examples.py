@@ -93,6 +93,25 @@ def stage(text: str, tmp: Path) -> str | None:
     return None
 
 
+def with_user_modules(text: str, message: str, tmp: Path) -> bool:
+    """Whether a refused file's only refusals are user modules it names that Axolotl's repository does not ship
+    either (GRPO's reward functions and prompt transform, module.function), and it passes with stand-ins of them
+    (one function of the names given, taking (prompts, completions, **kwargs)) in a folder beside it."""
+    lines = [line.strip()[2:] for line in message.splitlines()[1:] if line.strip().startswith("- ")]
+    names = [re.search(r"='(\w+)\.(\w+)' cannot be imported from .*No module named '\1'", line) for line in lines]
+    if not lines or not all(names):
+        return False
+    folder = tmp / "with_user_modules"
+    folder.mkdir(exist_ok=True)
+    modules = collections.defaultdict(set)
+    for found in names:
+        modules[found.group(1)].add(found.group(2))
+    for module, functions in modules.items():
+        (folder / f"{module}.py").write_text("".join(f"def {f}(prompts, completions, **kwargs):\n    return []\n"
+                                                     for f in sorted(functions)))
+    return stage(text, folder) is None
+
+
 MINIMAL = {"base_model": "./m", "datasets": [{"path": "./d.jsonl", "type": "chat_template"}]}
 
 
@@ -178,7 +197,7 @@ def main() -> None:
     ap.add_argument("--axolotl-python", help="the python of Axolotl's venv: compare with Axolotl's own validation")
     args = ap.parse_args()
     files = example_files(args)
-    passed, stopped, refused = [], collections.Counter(), {}
+    passed, stopped, refused, user_code = [], collections.Counter(), {}, []
     patch_of, users = collections.defaultdict(list), collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in files.items():
@@ -197,10 +216,15 @@ def main() -> None:
             else:
                 stopped.update(reasons(message))
                 refused[name] = reasons(message)
+                if with_user_modules(text, message, Path(tmp)):
+                    user_code.append(name)
     ours = set()
     for path in sorted(Path(args.ours).rglob("*.yml")):  # refused/: YAMLs refused for CUDA-only features
         ours |= uses(yaml.safe_load(path.read_text()))
     print(f"{len(passed)} of {len(files)} Axolotl example YAMLs pass nd-parallel train's config stage")
+    if user_code:
+        print(f"{len(user_code)} more pass once the user's own modules they name exist (Axolotl does not ship them "
+              f"either): {', '.join(user_code)}")
     print(f"\nrefused keys/values, by the number of files they stop (top {args.show}):")
     for reason, n in stopped.most_common(args.show):
         print(f"  {n:4d}  {reason}")

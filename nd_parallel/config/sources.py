@@ -77,7 +77,7 @@ def merge(cls: type[_ConfigT], *layers: Mapping[str, Any], source: str = "merged
 def from_yaml(cls: type[_ConfigT], path_or_text: str | os.PathLike, *, source: str | None = None) -> _ConfigT:
     """Build from a YAML file path, or from YAML text; plain values only (yaml.safe_load)."""
     text, source = _read_yaml_source(path_or_text, source)
-    data = _safe_load(text, source)
+    data = safe_load_yaml(text, source)
     if data is None:  # an empty file: every setting keeps its default
         data = {}
     if not isinstance(data, Mapping):
@@ -168,7 +168,8 @@ def _read_yaml_source(arg: Any, source: str | None) -> tuple[str, str]:
         raise ConfigError(f"cannot read config file {path!r}: {err}") from err
 
 
-def _safe_load(text: str, source: str) -> Any:
+def safe_load_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load of ``text``; a syntax error or a tag raises ConfigError naming ``source``, line and column."""
     try:
         return yaml.safe_load(text)  # safe_load only: reading a config must never run code
     except yaml.YAMLError as err:

@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 34 of the 73 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 35 of the 77 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -35,7 +35,7 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
-           "phi3_causal_lm_eval_fsdp2"]
+           "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -123,6 +123,11 @@ def _write_workspace(root: Path) -> None:
     (data / "stepwise.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
+    shutil.copy(CONFIGS / "rwd.py", root / "rwd.py")  # rl: gdpo's transform and reward functions
+    for config, rows in (("main", 20), ("socratic", 4)):  # a hub dataset folder, downloaded: a subfolder per config
+        (data / "gsm8k" / config).mkdir(parents=True)
+        (data / "gsm8k" / config / "train.jsonl").write_text("".join(json.dumps(
+            {"question": lines[i], "answer": f"{lines[i + 1][:20]}\n#### {i % 7}"}) + "\n" for i in range(rows)))
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +247,23 @@ def test_dpo_run_starts_at_the_reference(runs):
     losses = [row["loss"] for row in logged(out)]
     assert abs(losses[0] - math.log(2)) < 1e-6 and losses[1] != losses[0], losses
     assert (out / "eval_log.jsonl").is_file()
+
+
+def test_gdpo_run_scores_and_moves(runs):
+    """rl: gdpo under FSDP2: the prompts are rwd.gsm8k_transform's rows of the local hub folder's configuration
+    "main" (its first 80%: 16 of 20), both reward functions are logged, completions differ within a group (a
+    non-zero spread, else every advantage is 0) and the adapter moved. Parity with one process:
+    test_train_grpo.py."""
+    from nd_parallel.cli.train.data import load_prepared
+
+    root, jobs = runs
+    job = jobs["llama3_gdpo_lora_fsdp2"]
+    rows = load_prepared(job.prepared)[0]
+    assert len(rows) == 16 and rows[0]["prompt"][-1]["role"] == "user" and "answer" in rows.column_names
+    log = logged(job.train.output_dir)
+    assert all("rewards/format_reward/mean" in r and "rewards/correctness_reward/mean" in r for r in log), log
+    assert any(r["reward_std"] > 0 for r in log), log
+    assert any(v.abs().max() > 0 for k, v in saved_tensors(job.train.output_dir).items() if "lora_B" in k)
 
 
 def test_orpo_run_is_evaluated(runs):

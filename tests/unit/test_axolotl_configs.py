@@ -320,7 +320,7 @@ def test_every_unknown_key_of_a_datasets_entry_is_in_the_one_message(tmp_path):
         load_train_config(path, environ={})
     message = str(err.value)
     for needle in ("unknown key 'field_prompt' in datasets[0]", "unknown key 'field_reward' in datasets[0]",
-                   "rl='grpo': nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto"):
+                   "trl=None with rl: grpo: write the trl: block with reward_funcs"):
         assert needle in message, (needle, message)
     assert "3 setting(s) cannot be used" in message, message
 
@@ -331,7 +331,7 @@ def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
         "dpo", 0.05, "chosen", "rejected")
     assert load_train_config(_write(tmp_path, "rl: ipo\ncontext_parallel_size: 2\n"), environ={}).rl == "ipo"
     for extra, needle in [
-            ("rl: grpo\n", "rl='grpo': nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto"),
+            ("rl: simpo\n", "rl='simpo': nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto"),
             ("rl: kto\n", "datasets[0].type='chat_template' with rl: kto: KTO examples are read as Axolotl's"),
             ("rl: dpo\nkto_desirable_weight: 2\n", "kto_desirable_weight with rl: dpo: it weighs KTO's examples"),
             ("rl: dpo\nrl_beta: -1\n", "rl_beta=-1; write a number > 0"),

@@ -83,9 +83,9 @@ def test_pretraining_dataset_refusals(tmp_path, data):
                    "unknown key 'textcolumn' in pretraining_dataset[0]; did you mean 'text_column'?",
                    "pretraining_dataset[0].type='alpaca'"):
         assert needle in message, (needle, message)
-    message = _refused(tmp_path, data, datasets=[{"path": data["text"], "name": "en"}], reinit_weights=True,
+    message = _refused(tmp_path, data, datasets=[{"path": data["text"], "skip": 3}], reinit_weights=True,
                        load_in_4bit=True, adapter="qlora")
-    assert "datasets[0].name: only a streamed dataset" in message and "reinit_weights with a quantized base" in message
+    assert "datasets[0].skip: only a streamed dataset" in message and "reinit_weights with a quantized base" in message
 
 
 def _prepared(tmp_path, data, dp=1, **keys):

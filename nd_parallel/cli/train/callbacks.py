@@ -19,6 +19,9 @@ EVAL_LOG_FILE = "eval_log.jsonl"
 GENERATION_METRICS = tuple(f"eval_{name}" for name in lm_eval.METRICS)  # do_causal_lm_eval's (lm_eval.py)
 
 
+RL_METRICS = ("reward", "rewards/", "completions/", "kl")  # what GRPOTrainer logs of its completions
+
+
 class ProgressAndLog(TrainerCallback):
     def __init__(self, output_dir: str, print_every: int, desc: str, append: bool = False):
         self.output_dir, self.print_every, self.desc, self.append = output_dir, print_every, desc, append
@@ -45,14 +48,16 @@ class ProgressAndLog(TrainerCallback):
         step = state.global_step
         if "loss" in logs:
             record = {"step": step, "loss": logs["loss"], "grad_norm": logs.get("grad_norm"),
-                      "lr": logs.get("learning_rate"), "epoch": logs.get("epoch")}
+                      "lr": logs.get("learning_rate"), "epoch": logs.get("epoch"),
+                      **{k: v for k, v in logs.items() if k.startswith(RL_METRICS)}}  # rl: grpo's rewards
             self._write(LOG_FILE, record)
             self.bar.set_postfix(loss=f"{logs['loss']:.4f}")
             if step % self.print_every == 0:
                 self.bar.write(f"step {step}/{state.max_steps}  loss {logs['loss']:.4f}  grad_norm "
                                f"{logs.get('grad_norm', float('nan')):.4f}  lr {logs.get('learning_rate', 0):.3g}")
         if "eval_loss" in logs:
-            self._write(EVAL_LOG_FILE, {"step": step, "eval_loss": logs["eval_loss"]})
+            self._write(EVAL_LOG_FILE, {"step": step, "eval_loss": logs["eval_loss"], **{
+                k: v for k, v in logs.items() if k.startswith(tuple(f"eval_{m}" for m in RL_METRICS))}})
             self.bar.write(f"step {step}/{state.max_steps}  eval_loss {logs['eval_loss']:.4f}")
         generated = {k: v for k, v in logs.items() if k in GENERATION_METRICS}  # do_causal_lm_eval (lm_eval.py)
         if generated:

@@ -186,7 +186,8 @@ class TrainConfig(PreferenceOptions, AxolotlExtras, StreamingOptions):
     fsdp_wrap_classes: list[str] = field(default_factory=list)  # fsdp_config's, for job.check_local_model
 
 
-_NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation", "fsdp_wrap_classes"}
+_NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implementation", "fsdp_wrap_classes",
+             "import_dirs"}
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
 # MAPPED: read by equivalents.py (keys.KERNEL_KEYS: fused kernels of the same computation, one line each)
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *keys.KERNEL_KEYS, "bfloat16", "float16",
@@ -211,22 +212,13 @@ _BOOLS = ("pad_to_sequence_len", "sample_packing", "train_on_inputs", "gradient_
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:
     """The top-level mapping of a YAML file, read with safe_load; errors name the file and the fix."""
-    import yaml
+    from nd_parallel.config.sources import safe_load_yaml
 
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read {path}: {err}") from None
-    try:
-        data = yaml.safe_load(text)  # safe_load only: reading a config must never run code
-    except yaml.constructor.ConstructorError as err:
-        mark = err.problem_mark
-        raise ConfigError(f"{path}, line {mark.line + 1}: {err.problem}; only plain YAML values are allowed "
-                          "(numbers, strings, lists, mappings): remove the tag") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML: {getattr(err, 'problem', None) or err}") from None
+    data = safe_load_yaml(text, str(path))
     if not isinstance(data, dict):
         got = "empty" if data is None else f"a {type(data).__name__}"
         raise ConfigError(f"{path} is {got}; expected a mapping of keys such as 'base_model: path/to/model'")
@@ -371,9 +363,10 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
         refused.append(f"layout: auto chooses the layout, but the file also sets "
                        f"{', '.join(sorted(set(d) & PARALLEL_KEYS))}; remove those keys or 'layout: auto'")
     layout, layout_refused = _layout(path, d, environ, mapped)
-    refused += layout_refused + rl_refusals(d, layout) + model_kind_refusals(d, layout)
+    refused += layout_refused + rl_refusals(d, layout, path) + model_kind_refusals(d, layout)
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
-    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused)
+    specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused,
+                          transforms=d.get("rl") in ("grpo", "gdpo"))
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
     for key in _CHECKS:
         if train.get(key) is not None:
@@ -397,4 +390,4 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     liger = {k: v for k, v in data.items() if k.startswith("liger_") and k in plugin_keys and v}
     return TrainConfig(**train, datasets=specs, parallel=layout, unused=sorted(set(unused)), notes=mapped.notes,
                        attn_implementation=mapped.settings.get("attn_implementation"), liger=liger,
-                       fsdp_wrap_classes=wrap_classes(d.get("fsdp_config")))
+                       fsdp_wrap_classes=wrap_classes(d.get("fsdp_config")), import_dirs=d.get("import_dirs", []))

@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import diffusion, lm_eval, prequantized, restarts, sparsity
+from . import diffusion, grpo, lm_eval, prequantized, restarts, sparsity
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -30,7 +30,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 @dataclass(kw_only=True)
 class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
-                    sparsity.SparsityOptions, diffusion.DiffusionOptions):  # lisa_*, relora*; plugins' blocks
+                    sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -268,7 +268,7 @@ def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
     return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
-        sparsity.notes(d) + diffusion.notes(d)
+        sparsity.notes(d) + diffusion.notes(d) + grpo.notes(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import objective, restarts, sparsity
+from . import grpo, objective, restarts, sparsity
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -275,6 +275,10 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     from .data import prepare
 
     check_layout_rules(cfg, path)
+    if cfg.rl in grpo.RL and grpo.batch_problem(cfg, layout.dp_size):  # TRL's rule, raised on the ranks otherwise
+        raise ConfigError(f"{path}: {grpo.batch_problem(cfg, layout.dp_size)}")
+    if cfg.rl in grpo.RL:  # GRPOTrainer computes its log-probs with its own fused head, not the model's loss
+        layout = dataclasses.replace(layout, loss_chunk_size=0)
     check_installed(cfg.optimizer, path)
     check_layout(cfg, layout, path)
     restarts.check_layout(cfg, layout, path)  # lisa / relora

@@ -71,7 +71,6 @@ REFUSED = {
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
-    "trl": "TRL's RL trainer settings: nd-parallel train does supervised fine-tuning only; " + _NOT_SFT,
     "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
             "only; " + _NOT_SFT,
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "

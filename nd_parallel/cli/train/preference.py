@@ -9,13 +9,15 @@ Axolotl's meaning: ``rl_beta`` is the trainer's beta (TRL's default 0.1 when uns
 ``kto_desirable_weight`` / ``kto_undesirable_weight`` KTO's weights of the two labels (default 1.0), ``orpo_alpha``
 ORPO's beta where ``rl_beta`` is unset (the weight of its odds-ratio term; ORPO has no reference model). The reference
 policy is the base with the adapter disabled under LoRA, or the trainer's own frozen copy under full fine-tuning,
-prepared under the same layout. Axolotl's other RL trainers (simpo, grpo, gdpo, ebft) are refused here.
+prepared under the same layout. ``rl: grpo`` / ``gdpo`` are grpo.py's; Axolotl's other RL trainers (simpo, ebft)
+are refused here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import grpo
 from .data.dpo_types import TYPES as TEMPLATE_DPO_TYPES
 from .data.kto import TYPES as KTO_TYPES
 from .data.orpo import TYPES as ORPO_TYPES
@@ -87,15 +89,20 @@ def _orpo_refusals(d: dict, rl: str) -> list[str]:
     return []
 
 
-def rl_refusals(d: dict, layout) -> list[str]:
+def rl_refusals(d: dict, layout, path) -> list[str]:
     """Refusal lines for ``rl`` and what it cannot combine with, in the config stage."""
     rl = d.get("rl")
+    if rl in grpo.RL:
+        return grpo.refusals(d, layout, path) + _positive(d, "rl_beta", "TRL's GRPO default 0: no KL term")
+    out = [f"trl: with rl: {rl}: the block is read with rl: grpo / gdpo here; for rl: {rl} write rl_beta"
+           for _ in [0] if d.get("trl")]
     if rl is None:
-        return _type_refusals(d, None)
+        return out + _type_refusals(d, None)
     if rl not in RL:
-        return [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer) and "
-                f"orpo (TRL's ORPOTrainer); for Axolotl's other RL trainers {_AXOLOTL_ONLY}"]
-    out = _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
+        return out + [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer), "
+                      f"orpo (TRL's ORPOTrainer), grpo and gdpo (TRL's GRPOTrainer); for Axolotl's other RL trainers "
+                      + _AXOLOTL_ONLY]
+    out += _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
                                                                                "default 1.0")

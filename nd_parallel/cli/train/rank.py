@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import diffusion, lm_eval, objective, prequantized, restarts, sparsity
+from . import diffusion, grpo, lm_eval, objective, prequantized, restarts, sparsity
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -222,8 +222,8 @@ def _run_train(job: TrainJob) -> dict:
     pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
-    if t.rl:  # preferences: TRL's DPOTrainer / KTOTrainer / ORPOTrainer tokenizes and collates them (preference.py)
-        trainer = preference_trainer(t, job.trainer_args, **parts)
+    if t.rl:  # TRL's GRPOTrainer on prompts (grpo.py), or its DPO / KTO / ORPO trainers on preferences (preference.py)
+        trainer = (grpo.trainer if t.rl in grpo.RL else preference_trainer)(t, job.trainer_args, **parts)
     elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
         trainer = reward_trainer(t, job.trainer_args, **parts)
     else:

@@ -67,9 +67,8 @@ def streaming_refusals(d: dict) -> list[str]:
     if d.get("streaming"):
         out += _streaming_rules(d)
     else:
-        out += [f"datasets[{i}].{key}: only a streamed dataset has a hub configuration or a skip; set streaming: "
-                "true, or drop it and point 'path' at local files" for i, entry in enumerate(d.get("datasets") or [])
-                if isinstance(entry, dict) for key in ("name", "skip") if entry.get(key) not in (None, 0)]
+        out += [f"datasets[{i}].skip: only a streamed dataset skips records; set streaming: true, or drop it"
+                for i, entry in enumerate(d.get("datasets") or []) if isinstance(entry, dict) and entry.get("skip")]
     if d.get("reinit_weights") is True and (d.get("load_in_4bit") or d.get("load_in_8bit")
                                             or d.get("quantize_moe_experts")):
         out.append("reinit_weights with a quantized base (load_in_4bit / load_in_8bit / quantize_moe_experts): a "

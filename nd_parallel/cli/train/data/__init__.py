@@ -61,6 +61,11 @@ def _fingerprint(cfg, tokenizer) -> str:
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
+    if cfg.rl in ("grpo", "gdpo"):  # rl: grpo's transforms are the user's code: an edit makes other prompts
+        from ..grpo import module_file
+
+        files = [module_file(s.type, cfg.import_dirs) for s in cfg.datasets if "." in s.type]
+        state["code"] = [Path(f).read_text() for f in files if f]
     if mistral.is_mistral(tokenizer):  # its file is the whole tokenizer (no template, no added tokens)
         state["tokenizer"] = "mistral-common " + mistral.fingerprint(tokenizer)
     else:
@@ -156,8 +161,14 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
         info = json.loads((out / "done.json").read_text())
         return Prepared(str(out), how, info["sources"], info["train_rows"], info["eval_rows"], cached=True)
     parts, lines = [], []
-    for spec in cfg.datasets:
-        ds, line = (_pairs if cfg.rl else _tokenized)(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
+    for i, spec in enumerate(cfg.datasets):
+        if cfg.rl in ("grpo", "gdpo"):  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
+            from ..grpo import prompts
+
+            raw, where = load_source(spec, str(Path(workdir) / "raw-cache"))
+            ds, line = prompts(raw, spec, i, cfg, tokenizer, where)
+        else:
+            ds, line = (_pairs if cfg.rl else _tokenized)(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
         parts.append(ds)
         lines.append(line)
     # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)

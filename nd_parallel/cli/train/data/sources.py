@@ -91,7 +91,8 @@ class DatasetSpec:
     train_on_last_step_only: bool = False
     """stepwise_supervised: label the last step only."""
     name: str | None = None
-    """Streamed data only (streaming: true, pretraining_dataset): the hub dataset's configuration, e.g. "en"."""
+    """The dataset's configuration, e.g. "main": a hub dataset's when streamed; otherwise a configuration of a local
+    dataset folder (one downloaded from the hub: its README.md lists the configurations, or a subfolder per name)."""
     skip: int = 0
     """Streamed data only: records left out at the stream's start (Axolotl's pretraining_dataset skip)."""
     base_dir: str = ""
@@ -122,14 +123,22 @@ class DatasetSpec:
 
 
 _KEYS = {f.name for f in dataclasses.fields(DatasetSpec)} - {"base_dir"}
+_NAMED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+
+
+def names_function(kind: Any) -> bool:
+    """A `type` (or reward function) written module.function: a user function, as Axolotl's RL loaders read it."""
+    return isinstance(kind, str) and bool(_NAMED.match(kind))
 # Keys Axolotl accepts in an entry that change nothing here when left at their default.
 _INERT = {"shards": None, "revision": None, "trust_remote_code": False,
           "preprocess_shards": None, "conversation": None, "train_on_split": None}
 
 
-def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[str] | None = None):
+def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[str] | None = None,
+                  transforms: bool = False):
     """The `datasets:` list (or our older `dataset_path:` string) of the YAML file `path`, checked. With
-    `problems`, each bad entry's message is appended there (and the entry left out) instead of raised."""
+    `problems`, each bad entry's message is appended there (and the entry left out) instead of raised. With
+    `transforms` (rl: grpo), a `type` may name a user function, module.function (grpo.py checks it)."""
     problem = None
     if (datasets is None) == (dataset_path is None):
         problem = ("give the data as 'datasets: [{path: data.jsonl, type: completion}]' (or 'dataset_path: "
@@ -146,7 +155,7 @@ def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[
     base, specs = os.getcwd(), []
     for i, entry in enumerate(datasets):
         try:
-            specs.append(_spec(path, i, entry, base))
+            specs.append(_spec(path, i, entry, base, transforms))
         except ConfigError as err:
             if problems is None:
                 raise
@@ -154,7 +163,7 @@ def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[
     return specs
 
 
-def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
+def _spec(path, i: int, entry: Any, base: str, transforms: bool = False) -> DatasetSpec:
     entry = {"path": entry} if isinstance(entry, str) else entry
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
         raise ConfigError(f"{path}: datasets[{i}] must be a mapping with a 'path' string")
@@ -171,7 +180,7 @@ def _spec(path, i: int, entry: Any, base: str) -> DatasetSpec:
         kind = entry["type"] = "tokenized"
     known = isinstance(kind, str) and (kind in TYPES or TYPE_ALIASES.get(kind) or instructions.parse(kind)
                                        or kind in KTO_TYPES + DPO_TYPES + ORPO_TYPES  # rl's (rl_refusals pairs them)
-                                       or kind in REWARD_TYPES)
+                                       or kind in REWARD_TYPES or (transforms and names_function(kind)))
     if not known:
         fix = instructions.problem(kind) if isinstance(kind, str) else None
         if kind == "sharegpt":
@@ -269,6 +278,8 @@ def load_source(spec: DatasetSpec, cache_dir: str):
     """The spec's split as a `datasets.Dataset` (plus a `_source` label per record for error messages)."""
     import datasets
 
+    if spec.name is not None:
+        return _configuration(spec, cache_dir)
     saved = _saved_split(spec)
     if saved is not None:
         return _sliced(saved, spec, str(spec.resolved)), str(spec.resolved)
@@ -280,6 +291,29 @@ def load_source(spec: DatasetSpec, cache_dir: str):
         raise ConfigError(f"cannot read {', '.join(map(str, files))} as {kind}: {err}") from None
     where = ", ".join(map(str, files))
     return _sliced(loaded, spec, where), where
+
+
+def _configuration(spec: DatasetSpec, cache_dir: str):
+    """A local dataset folder's configuration ``name``: the configurations its README.md declares (a hub dataset's
+    files, downloaded), else the files of its subfolder ``name``."""
+    import datasets
+
+    root, where = spec.resolved, f"{spec.resolved} (configuration {spec.name!r})"
+    if (root / "README.md").is_file():
+        try:
+            loaded = datasets.load_dataset(str(root), name=spec.name, split=parse_split(spec.split)[0],
+                                           cache_dir=cache_dir)
+        except Exception as err:  # datasets' own message: the configurations or splits it has
+            raise ConfigError(f"cannot read {where}: {err}; fix 'name:' / 'split:' of that datasets entry") from None
+        return _sliced(loaded, spec, where), where
+    if not (root / spec.name).is_dir():
+        raise ConfigError(f"datasets entry path={spec.path!r} with name={spec.name!r}: {root} is not a dataset folder "
+                          f"with that configuration (no README.md listing configurations, no subfolder "
+                          f"{spec.name!r}); point 'path' at the data files and drop 'name', or set streaming: true "
+                          "for a hub dataset")
+    inner = dataclasses.replace(spec, path=str(root / spec.name), name=None)
+    loaded, _ = load_source(inner, cache_dir)
+    return loaded, where
 
 
 def _saved_split(spec: DatasetSpec):

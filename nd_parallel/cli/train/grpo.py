@@ -1,0 +1,360 @@
+"""`rl: grpo` / `rl: gdpo` in `nd-parallel train`: TRL's GRPOTrainer (what Axolotl 0.19 runs for both) with
+NDParallelCallback, on prompts a user transform (``datasets[].type: module.function``) makes, scored by the user's
+reward functions (``trl.reward_funcs``), with Axolotl's meaning of the ``trl:`` block.
+
+Axolotl's meaning, key by key: ``trl.beta`` (else ``rl_beta``), ``num_generations``, ``max_completion_length``,
+``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` / ``repetition_penalty``, ``reward_weights``, ``scale_rewards``,
+``loss_type``, ``mask_truncated_completions``, ``num_iterations``, ``epsilon`` / ``epsilon_high``,
+``importance_sampling_level``, ``multi_objective_aggregation`` (``rl: gdpo`` defaults it to ``normalize_then_sum``:
+each reward normalized within its group before the weighted sum, and refuses ``sum_then_normalize``),
+``generation_batch_size``, ``sync_ref_model`` / ``ref_model_*``, ``log_completions`` / ``num_completions_to_print``:
+GRPOConfig's arguments of the same name. ``generation_kwargs`` and ``chat_template_kwargs`` are read by Axolotl's
+async trainer only, not by the GRPOTrainer it runs: unused, one line. A reward function is ``module.function``
+imported as Axolotl imports it (the working directory first, then the YAML's folder, here), or a local reward-model
+directory; a dataset transform ``module.function`` is called as Axolotl calls it (``function(cfg, dataset_idx=i)``
+returns a row function, or ``(row function, map kwargs)``; ``tokenizer=`` is passed when the row function takes it)
+and must give each row a ``prompt`` (a string or a list of chat messages); the other columns reach the reward
+functions as keyword arguments. The parent runs the transforms and checks every import before any rank starts.
+
+What this adds to TRL so that a layout trains as one process does: completions are sampled with keyed noise
+(``KeyedSampling``): each token of each row of a generation batch is the Gumbel-max sample of the same warped
+distribution transformers samples from, with the noise drawn from a generator keyed by (seed, generation round, the
+row's place in the global generation batch, the token's position in the completion), not torch's global generator,
+whose draws depend on how many rows each rank holds. One process and every data-parallel layout so sample the same
+completions of the same prompts, and the rewards, advantages and updates follow (TRL gathers the rewards and sums
+its dapo / grpo / dr_grpo losses as over the global batch; ``bnpo`` normalizes per micro-batch, in TRL too).
+
+Layouts: FSDP2 / HSDP / DDP (generation runs the whole model on each rank; transformers keeps the ranks of a sharded
+model in step). Tensor, pipeline, context and expert parallelism are refused, as are vLLM generation (a CUDA server),
+Axolotl's async GRPO, a custom ``rollout_func`` and sample packing. Evaluation (``val_set_size``) generates with the
+same keyed sampling: its losses and rewards equal one process's too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .data.sources import names_function as is_transform
+from .keys import model_splits
+
+RL = ("grpo", "gdpo")
+# trl: key -> GRPOConfig argument (Axolotl's GRPOStrategy.set_training_args_kwargs)
+ARGS = {k: k for k in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+                       "repetition_penalty", "reward_weights", "scale_rewards", "loss_type",
+                       "mask_truncated_completions", "num_iterations", "epsilon", "epsilon_high",
+                       "importance_sampling_level", "multi_objective_aggregation", "generation_batch_size",
+                       "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
+                       "num_completions_to_print")}
+READ_HERE = ("beta", "reward_funcs", "use_vllm")
+# Axolotl's keys that need what this path does not have: the fix for each
+REFUSED = {"use_vllm": "vLLM generation needs its CUDA server; set use_vllm: false (transformers generates here)",
+           "rollout_func": "a custom rollout replaces the keyed sampling that keeps layouts equal; drop it, or run the "
+                           "YAML with Axolotl",
+           "use_liger_loss": "Liger's fused GRPO loss is a Triton kernel; drop it (the same loss runs without it)",
+           "async_prefetch": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
+           "use_data_producer": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
+           "reward_processing_classes": "reward models here use their own tokenizer; drop it"}
+# read by Axolotl 0.19's async GRPO and EBFT trainers only, not by the GRPOTrainer it runs for rl: grpo / gdpo
+UNREAD = ("generation_kwargs", "chat_template_kwargs")
+VLLM = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_guided_decoding_regex",
+        "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
+ASYNC = ("prefetch_depth", "streaming_partial_batch", "streaming_min_groups", "off_policy_mask_threshold",
+         "use_bias_correction_kl", "reward_num_workers", "replay_buffer_size", "replay_recompute_logps",
+         "reroll_start_fraction", "reroll_max_groups", "skip_zero_advantage_batches")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+@dataclass(kw_only=True)
+class GRPOOptions:
+    trl: dict | None = None
+    """Axolotl's trl: block (rl: grpo / gdpo): GRPOConfig's generation, reward and loss settings (grpo.py)."""
+    vllm: dict | None = None
+    """Axolotl's vllm: block: read only with trl.use_vllm: true, which is refused here (accepted when unused)."""
+    import_dirs: list[str] = field(default_factory=list)
+    """Where the reward functions' and transforms' modules are imported from: the working directory, then the
+    YAML's folder (set by the parent, not a YAML key)."""
+
+
+@contextlib.contextmanager
+def importable(dirs: list[str]):
+    """``dirs`` in front of sys.path while a user module is imported (Axolotl imports them by name)."""
+    saved = list(sys.path)
+    sys.path[:0] = [d for d in dirs if d not in sys.path]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def load_function(name: str, dirs: list[str]):
+    """The function ``module.function`` (``package.module.function``) from ``dirs`` or installed packages; raises
+    ImportError / AttributeError with the reason."""
+    module, _, attr = name.rpartition(".")
+    with importable(dirs):
+        found = importlib.import_module(module)
+    fn = getattr(found, attr, None)
+    if not callable(fn):
+        raise AttributeError(f"module {module!r} ({getattr(found, '__file__', '?')}) has no function {attr!r}")
+    return fn
+
+
+def module_file(name: str, dirs: list[str]) -> str | None:
+    """The file of ``name``'s module (for the data cache's fingerprint), or None."""
+    with importable(dirs):
+        spec = importlib.util.find_spec(name.rpartition(".")[0])
+    return spec.origin if spec is not None and spec.origin and os.path.isfile(spec.origin) else None
+
+
+def _reward_refusals(funcs: Any, weights: Any, dirs: list[str]) -> list[str]:
+    if not isinstance(funcs, list) or not funcs or not all(isinstance(f, str) for f in funcs):
+        return [f"trl.reward_funcs={funcs!r}: write a list of reward functions (module.function, e.g. "
+                "rwd.correctness_reward, in a module of the working directory) or local reward-model directories"]
+    out = []
+    for i, name in enumerate(funcs):
+        if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
+            continue  # a reward model: TRL loads it as a sequence classifier
+        try:
+            fn = load_function(name, dirs) if is_transform(name) else None
+        except Exception as err:  # the user's module: any import error, named
+            out.append(f"trl.reward_funcs[{i}]={name!r} cannot be imported from {', '.join(dirs)}: {err}")
+            continue
+        if fn is None:
+            out.append(f"trl.reward_funcs[{i}]={name!r} is neither module.function nor a local model directory")
+        elif len(inspect.signature(fn).parameters) < 2:  # Axolotl's rule
+            out.append(f"trl.reward_funcs[{i}]={name!r} takes fewer than 2 arguments; a reward function takes "
+                       "(prompts, completions, **kwargs) and returns one float per completion")
+    if weights is not None and (not isinstance(weights, list) or len(weights) != len(funcs)):
+        out.append(f"trl.reward_weights={weights!r}: write one number per reward function ({len(funcs)})")
+    return out
+
+
+def _block_refusals(block: dict, rl: str) -> list[str]:
+    out = []
+    for key, value in block.items():
+        if key in REFUSED and value not in (None, False):
+            out.append(f"trl.{key}={value!r}: {REFUSED[key]}")
+        elif key in ASYNC and value not in (None, False):
+            out.append(f"trl.{key}={value!r}: a setting of Axolotl's async GRPO trainer; drop it")
+        elif key not in ARGS and key not in READ_HERE and key not in REFUSED and key not in VLLM + ASYNC + UNREAD:
+            from .data.sources import suggest
+
+            out.append(f"unknown key trl.{key}; {suggest(key, [*ARGS, *READ_HERE])}")
+    generations = block.get("num_generations", 8)  # TRL's default
+    if isinstance(generations, bool) or not isinstance(generations, int) or generations < 2:
+        out.append(f"trl.num_generations={generations!r}: GRPO compares at least 2 completions of each prompt; "
+                   "write an integer >= 2")
+    how = block.get("multi_objective_aggregation")
+    if how is not None and how not in AGGREGATIONS:
+        out.append(f"trl.multi_objective_aggregation={how!r}; use one of {', '.join(AGGREGATIONS)}")
+    if rl == "gdpo" and how == "sum_then_normalize":  # Axolotl's check_gdpo
+        out.append("trl.multi_objective_aggregation='sum_then_normalize' is GRPO's; with rl: gdpo drop it (gdpo "
+                   "normalizes each reward first) or set rl: grpo")
+    return out
+
+
+def refusals(d: dict, layout, path) -> list[str]:
+    """The config stage's refusal lines for rl: grpo / gdpo; sets import_dirs in ``d``."""
+    rl, block = d.get("rl"), d.get("trl")
+    if not isinstance(block, dict):
+        return [f"trl={block!r} with rl: {rl}: write the trl: block with reward_funcs (module.function names) "
+                "and the generation settings (num_generations, max_completion_length, ...)"]
+    dirs = list(dict.fromkeys([os.getcwd(), str(Path(path).resolve().parent)]))
+    d["import_dirs"] = dirs
+    out = _block_refusals(block, rl) + _reward_refusals(block.get("reward_funcs"), block.get("reward_weights"), dirs)
+    for i, entry in enumerate(d.get("datasets") or []):
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind is not None and not is_transform(kind):
+            out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: GRPO reads prompts; name a transform "
+                       "(type: module.function returning {'prompt': ...}) or leave type out for records that have "
+                       "a prompt column")
+        elif kind is not None:
+            try:
+                load_function(kind, dirs)
+            except Exception as err:  # the user's module: any import error, named
+                out.append(f"datasets[{i}].type={kind!r} cannot be imported from {', '.join(dirs)}: {err}")
+    splits = model_splits(layout)
+    if splits:
+        out.append(f"rl: {rl} with {splits}: GRPO generates its completions with the whole model on each rank; use "
+                   "dp_shard_size / dp_replicate_size")
+    if d.get("sample_packing"):
+        out.append(f"sample_packing=True with rl: {rl}: prompts and their completions are not packed; drop it")
+    return out
+
+
+def notes(d: dict) -> list[str]:
+    """Lines for what this path reads other than as written."""
+    out = []
+    block = d.get("trl") if isinstance(d.get("trl"), dict) else {}
+    if d.get("vllm") and not block.get("use_vllm"):
+        out.append("vllm: Axolotl reads this block only with trl.use_vllm: true; unused (transformers generates)")
+    unread = [k for k in block if block[k] is not None and (k in UNREAD or k in VLLM and not block.get("use_vllm"))]
+    for key in unread:
+        why = "read by Axolotl's async GRPO trainer only" if key in UNREAD else "read only with use_vllm: true"
+        out.append(f"trl.{key}: {why}, not by the GRPOTrainer Axolotl 0.19 runs; unused here too")
+    if d.get("rl") in RL:
+        out.append(f"rl: {d['rl']}: completions are sampled with noise keyed by (seed, round, row, position), so "
+                   "every data-parallel layout samples what one process samples (not torch's global generator)")
+    return out
+
+
+def batch_problem(cfg, dp: int) -> str | None:
+    """TRL's rule, checked before any rank starts: a generation batch holds whole groups of num_generations."""
+    block = cfg.trl or {}
+    generations = block.get("num_generations", 8)
+    batch = block.get("generation_batch_size") or cfg.micro_batch_size * dp * cfg.gradient_accumulation_steps
+    if batch % generations:
+        return (f"the generation batch ({batch} completions: micro_batch_size {cfg.micro_batch_size} x {dp} "
+                f"data-parallel ranks x gradient_accumulation_steps {cfg.gradient_accumulation_steps}, or "
+                f"trl.generation_batch_size) is not a multiple of trl.num_generations={generations}; change one")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- data
+class Settings(dict):
+    """Axolotl's cfg as a transform sees it: keys as attributes, None where unset (its DictDefault)."""
+
+    def __getattr__(self, name):
+        value = self.get(name)
+        return Settings(value) if isinstance(value, dict) and not isinstance(value, Settings) else value
+
+
+def settings(cfg) -> Settings:
+    import dataclasses
+
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    values["datasets"] = [Settings(dataclasses.asdict(s)) for s in cfg.datasets]
+    return Settings(values)
+
+
+def prompts(raw, spec, index: int, cfg, tokenizer, where: str):
+    """The entry's rows after its transform (Axolotl's RL loader: fn(cfg, dataset_idx=i) -> row function or (row
+    function, map kwargs)); each must have a prompt."""
+    from nd_parallel.config import ConfigError
+
+    ds = raw
+    if is_transform(spec.type):
+        try:
+            made = load_function(spec.type, cfg.import_dirs)(settings(cfg), dataset_idx=index)
+        except Exception as err:
+            raise ConfigError(f"{where}: the transform {spec.type!r} failed: {type(err).__name__}: {err}") from None
+        fn, kwargs = made if isinstance(made, tuple) else (made, {})
+        kwargs = dict(kwargs or {})
+        if kwargs.get("remove_columns") == "__all__":
+            kwargs["remove_columns"] = list(raw.column_names)
+        elif "remove_columns" in kwargs:
+            kwargs["remove_columns"] = [c for c in kwargs["remove_columns"] if c in raw.column_names]
+        if "tokenizer" in inspect.signature(fn).parameters:
+            import functools
+
+            fn = functools.partial(fn, tokenizer=tokenizer)
+        try:
+            ds = raw.map(fn, desc=f"{spec.type} on {spec.path}", **kwargs)
+        except Exception as err:
+            raise ConfigError(f"{where}: the transform {spec.type!r} failed on a record: {type(err).__name__}: "
+                              f"{err}") from None
+    if "prompt" not in ds.column_names:
+        raise ConfigError(f"{where}: rows have no 'prompt' after {spec.type or 'no transform'} (columns: "
+                          f"{', '.join(ds.column_names)}); GRPO generates from each row's prompt: return "
+                          "{'prompt': [...messages...], ...} from the transform")
+    return ds, f"{where}: {len(raw)} records -> {len(ds)} prompts ({spec.type or 'as given'})"
+
+
+# ------------------------------------------------------------------------------------------------- ranks
+class KeyedSampling:
+    """A logits processor that samples each row's next token itself: Gumbel-max over the distribution that
+    transformers' sampling would draw from (the same warpers, built from the generation config), with noise from a
+    generator keyed by (seed, round, the row's global index, the completion position). It returns -inf everywhere but
+    the chosen token, so whatever sampling follows picks that token. Written by hand: transformers' sampling draws
+    from torch's global generator, whose stream depends on how many rows a rank holds."""
+
+    def __init__(self, generation_config, seed: int, round_: int, first_row: int):
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        g = generation_config
+        self.warpers = LogitsProcessorList(
+            ([TemperatureLogitsWarper(g.temperature)] if g.temperature not in (None, 1.0) else [])
+            + ([TopKLogitsWarper(g.top_k)] if g.top_k else [])
+            + ([TopPLogitsWarper(g.top_p)] if g.top_p is not None and g.top_p < 1.0 else [])
+            + ([MinPLogitsWarper(g.min_p)] if g.min_p is not None else []))
+        self.key, self.first_row, self.start = (seed, round_), first_row, None
+
+    def noise(self, row: int, position: int, vocab: int):
+        import torch
+
+        from nd_parallel.plugins.trainer.relora import keyed_generator
+
+        where = zlib.crc32(f"{self.first_row + row}:{position}".encode())
+        uniform = torch.rand(vocab, generator=keyed_generator(*self.key, where), dtype=torch.float64)
+        return -torch.log(-torch.log(uniform.clamp(min=1e-300)))
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self.start is None:  # the first call sees the (left-padded) prompts alone
+            self.start = input_ids.shape[1]
+        position = input_ids.shape[1] - self.start
+        logp = torch.log_softmax(self.warpers(input_ids, scores).double(), dim=-1)
+        noise = torch.stack([self.noise(b, position, scores.shape[-1]) for b in range(scores.shape[0])])
+        chosen = (logp + noise.to(logp.device)).argmax(dim=-1)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, chosen[:, None], 0.0)
+
+
+def trainer(t, trainer_args: dict, **parts):
+    """TRL's GRPOTrainer for ``t`` (rl: grpo / gdpo) with keyed sampling (KeyedSampling)."""
+    import torch.distributed as dist
+    import trl
+
+    from nd_parallel.plugins.trainer.dpo import global_mean_share
+
+    block = dict(t.trl or {})
+    kwargs = {ARGS[k]: v for k, v in block.items() if k in ARGS and v is not None}
+    if t.rl == "gdpo":
+        kwargs.setdefault("multi_objective_aggregation", "normalize_then_sum")
+    beta = block["beta"] if block.get("beta") is not None else t.rl_beta  # Axolotl: trl.beta, else rl_beta
+    args = trl.GRPOConfig(**{**trainer_args, "gradient_checkpointing": False, "beta": 0.0 if beta is None else
+                             float(beta), **kwargs})
+    funcs = [name if not is_transform(name) else load_function(name, t.import_dirs) for name in block["reward_funcs"]]
+
+    class KeyedGRPOTrainer(trl.GRPOTrainer):
+        rounds = 0
+
+        def _generate_single_turn(self, prompt_ids, *args, **kw):
+            counts = [len(prompt_ids)]
+            if dist.is_initialized():  # the global generation batch is the ranks' batches in rank order
+                counts = [None] * dist.get_world_size()
+                dist.all_gather_object(counts, len(prompt_ids))
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            sampler = KeyedSampling(self.generation_config, self.args.seed, self.rounds, sum(counts[:rank]))
+            self.rounds += 1
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            plain = model.generate
+            model.generate = lambda *a, **k: plain(*a, logits_processor=[sampler], **k)
+            try:
+                return super()._generate_single_turn(prompt_ids, *args, **kw)
+            finally:
+                del model.generate  # the class's method again
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            # TRL scales each rank's loss for DDP's mean over the ranks; nd_parallel sums the dp gradients: each
+            # rank's loss enters as 1/dp of the mean (its value the ranks' mean, what TRL logs)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return global_mean_share(self, loss, 1)
+
+    return KeyedGRPOTrainer(reward_funcs=funcs, args=args, **parts)
