@@ -92,7 +92,7 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
     cfg = load_train_config(real_world(tmp_path, data))
     assert cfg.adapter == "lora" and cfg.lora_target_linear and cfg.sample_packing and cfg.val_set_size == 0.1
     assert cfg.parallel.dp_shard_size == 2 and cfg.parallel.activation_checkpointing == "full"
-    assert {"wandb_project", "wandb_entity", "group_by_length"} <= set(cfg.unused)
+    assert {"wandb_project", "wandb_entity"} <= set(cfg.unused) and cfg.group_by_length is False
     assert cfg.early_stopping_patience is None  # left empty: no early stopping
     assert cfg.attn_implementation is None  # flash_attention: false / xformers_attention: (empty) choose nothing
     from nd_parallel.cli.train.job import trainer_arguments
@@ -105,14 +105,14 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
 
 
 def test_keys_that_change_training_are_refused_together(tmp_path, data):
-    path = real_world(tmp_path, data, flash_attention="true", group_by_length="true", optimizer="lion_8bit")
+    path = real_world(tmp_path, data, flash_attention="true", neftune_noise_alpha="5", optimizer="lion_8bit")
     text = open(path).read() + "load_in_4bit: true\ndeepspeed: deepspeed_configs/zero3.json\nrl: dpo\n"
     open(path, "w").write(text)  # adapter: lora with load_in_4bit: Axolotl's rule asks for qlora
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
     assert "6 setting(s) cannot be used" in message, message
-    for needle in ("group_by_length=True", "load_in_4bit=True with adapter='lora'",
+    for needle in ("neftune_noise_alpha=5", "load_in_4bit=True with adapter='lora'",
                    "deepspeed and fsdp/fsdp_config are both set", "sample_packing=True with rl: dpo",
                    "datasets[0].type='alpaca' with rl: dpo", "set adapter: qlora",
                    "optimizer='lion_8bit': use one of adamw_torch"):

@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import diffusion, grpo, lm_eval, prequantized, restarts, sparsity
+from . import diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -58,6 +58,8 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
     save_only_model: bool = False
     """Checkpoints hold the model only (a from_pretrained directory, or the adapter): no optimizer, scheduler or RNG
     state, so they cannot be resumed (the Trainer's save_only_model)."""
+    group_by_length: bool = False
+    """Batches of samples of similar length (Axolotl's length-grouped sampler, over global batches: sampling.py)."""
     curriculum_sampling: bool = False
     """Train on the samples (or packed rows) in the order they are prepared, not shuffled (the Trainer's sequential
     sampler; Axolotl's meaning). Several datasets are still mixed when shuffle_merged_datasets is on, as in Axolotl."""
@@ -95,10 +97,10 @@ def model_kind_refusals(d: dict, layout) -> list[str]:
 
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
-    out = streaming_refusals(d) + objective_refusals(d)  # streamed datasets entry; EAFT, cls_model_config
+    out = streaming_refusals(d) + objective_refusals(d) + sampling.refusals(d)  # streamed entry; EAFT; grouping
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
-                "lr_quadratic_warmup", "tokenizer_use_mistral_common"):
+                "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):
         if d.get(key) is not None and not isinstance(d[key], bool):
             out.append(f"{key}={d[key]!r}; use true or false")
     out += mistral.config_refusals(d) if d.get("tokenizer_use_mistral_common") in (None, True) else []
@@ -268,7 +270,7 @@ def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
     return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
-        sparsity.notes(d) + diffusion.notes(d) + grpo.notes(d)
+        sparsity.notes(d) + diffusion.notes(d) + grpo.notes(d) + sampling.note(d)
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

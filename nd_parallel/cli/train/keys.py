@@ -61,7 +61,6 @@ REFUSED = {
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "group_by_length": "drop it (samples are shuffled, not grouped by length)",
     "neftune_noise_alpha": "drop it (no NEFTune noise)",
     "noisy_embedding_alpha": "drop it (no NEFTune noise)",
     "peft_use_dora": "DoRA is not implemented: use plain LoRA (adapter: lora)",

@@ -96,6 +96,20 @@ def _model(t: TrainConfig, tokenizer):
     return freeze_mm_modules(model) if t.freeze_mm_modules else model
 
 
+def _adjust(trainer, t: TrainConfig, dp: int) -> None:
+    """What Axolotl changes in the Trainer that TrainingArguments cannot say: its optimizer, schedules, data order."""
+    from .sampling import use_length_groups
+    from .schedules import use_jagged_restarts, use_muon, use_quadratic_warmup
+
+    if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
+        use_muon(trainer, t)
+    if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
+        use_quadratic_warmup(trainer)
+    if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)
+        use_jagged_restarts(trainer, t)
+    use_length_groups(trainer, t, dp)  # group_by_length (sampling.py)
+
+
 def _extra_callbacks(t, trainer) -> list:
     """LISA / ReLoRA (restarts.py), do_causal_lm_eval's metrics (lm_eval.py), the LLM Compressor plugin's masks
     (sparsity.py): each an empty list unless its keys are set."""
@@ -235,18 +249,7 @@ def _run_train(job: TrainJob) -> dict:
             collator = MultimodalCollator(*load_prepared_processor(job.prepared, t.trust_remote_code))
             parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
         trainer = diffusion.trainer(t, Trainer, TrainingArguments(**job.trainer_args), collator, parts)  # or plain
-    if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
-        from .schedules import use_muon
-
-        use_muon(trainer, t)
-    if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
-        from .schedules import use_quadratic_warmup
-
-        use_quadratic_warmup(trainer)
-    if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)
-        from .schedules import use_jagged_restarts
-
-        use_jagged_restarts(trainer, t)
+    _adjust(trainer, t, job.layout.dp_size)  # Muon, quadratic warm-up, jagged restarts, length groups
     for callback in _extra_callbacks(t, trainer):  # lisa, relora, generation metrics, sparsity masks
         trainer.add_callback(callback)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
