@@ -12,15 +12,7 @@ far more (asserted: > 1e-3 relative), so a layout that dropped the BitNet layers
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import (
-    compare_runs,
-    jobs_for,
-    layout_yamls,
-    logged,
-    run_jobs,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, logged, run_parity, write_model_and_data
 
 BASE = dict(sequence_len=96, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
             lr_scheduler="linear", seed=0, optimizer="adamw_torch", bf16="auto", use_onebitllms=True)
@@ -34,12 +26,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=48)
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel, refs = layout_yamls(root, shared, LAYOUTS)
-    refs.append(write_yaml(root / "plain.yaml", {**shared, "use_onebitllms": False,
-                                                 "output_dir": str(root / "plain")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    return run_parity(root, shared, LAYOUTS, variants={"plain": {"use_onebitllms": False}})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

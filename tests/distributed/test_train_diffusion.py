@@ -10,15 +10,7 @@ noise on entries whose gradient is at the noise level; measured: see the printed
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import (
-    compare_runs,
-    jobs_for,
-    layout_yamls,
-    logged,
-    run_jobs,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, logged, run_parity, write_model_and_data
 
 BASE = dict(sequence_len=64, sample_packing=True, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
             learning_rate=1e-3, lr_scheduler="linear", seed=0, optimizer="adamw_torch", adam_epsilon=1e-6,
@@ -34,12 +26,8 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=96)  # 3 steps of 8 packed rows stay within the first epoch
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel, refs = layout_yamls(root, shared, LAYOUTS, dps=(2,))
-    causal = {k: v for k, v in shared.items() if k not in ("plugins", "diffusion")}
-    refs.append(write_yaml(root / "causal.yaml", {**causal, "micro_batch_size": 4, "output_dir": str(root / "causal")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    return run_parity(root, shared, LAYOUTS, dps=(2,),
+                      variants={"causal": {"plugins": None, "diffusion": None, "micro_batch_size": 4}})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -9,15 +9,7 @@ saved tensors atol 1e-5 (full fine-tuning, AdamW epsilon 1e-6).
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import (
-    compare_runs,
-    jobs_for,
-    layout_yamls,
-    logged,
-    run_jobs,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, logged, run_parity, write_model_and_data
 
 BASE = dict(sequence_len=256, sample_packing=False, micro_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
             learning_rate=1e-3, lr_scheduler="linear", seed=0, optimizer="adamw_torch", adam_epsilon=1e-6,
@@ -31,12 +23,8 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=96)  # 96 samples: megabatches of 3 global batches of 8
     shared = {**BASE, "base_model": data["model"], "datasets": [{"path": data["alpaca"], "type": "alpaca"}],
               "dataset_prepared_path": str(root / "prepared")}
-    parallel, refs = layout_yamls(root, shared, LAYOUTS, dps=(2,))
-    refs.append(write_yaml(root / "ungrouped.yaml", {**shared, "group_by_length": False, "micro_batch_size": 4,
-                                                     "output_dir": str(root / "ungrouped")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    return run_parity(root, shared, LAYOUTS, dps=(2,),
+                      variants={"ungrouped": {"group_by_length": False, "micro_batch_size": 4}})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

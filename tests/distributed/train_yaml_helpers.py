@@ -54,6 +54,19 @@ def layout_yamls(root: Path, shared: dict, layouts: dict, dps=(1, 2)) -> tuple[l
     return parallel, refs
 
 
+def run_parity(root: Path, shared: dict, layouts: dict, dps=(1, 2), variants: dict | None = None) -> Path:
+    """The layouts' YAMLs and their one-process references (``layout_yamls``), plus one one-process run of ``shared``
+    changed by each of ``variants`` ({name: {key: value, or None to drop the key}}: the same run without the feature
+    under test), all run: references and variants in one process, the layouts in one launch of 2 ranks."""
+    parallel, refs = layout_yamls(root, shared, layouts, dps)
+    for name, change in (variants or {}).items():
+        cfg = {k: v for k, v in {**shared, **change}.items() if v is not None}
+        refs.append(write_yaml(root / f"{name}.yaml", {**cfg, "output_dir": str(root / name)}))
+    run_jobs(jobs_for(refs, root, 1), root, 1)
+    run_jobs(jobs_for(parallel, root, 2), root, 2)
+    return root
+
+
 def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list:
     """The ranks' jobs, built exactly as `nd-parallel train` builds them (job.build_job)."""
     from nd_parallel.cli.ranks import resolve_train_layout
