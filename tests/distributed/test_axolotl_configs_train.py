@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 35 of the 77 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 36 of the 78 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -35,7 +35,7 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
-           "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2"]
+           "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -124,6 +124,8 @@ def _write_workspace(root: Path) -> None:
     (root / "templates").mkdir()
     shutil.copy(CONFIGS / "turns.jinja", root / "templates" / "turns.jinja")
     shutil.copy(CONFIGS / "rwd.py", root / "rwd.py")  # rl: gdpo's transform and reward functions
+    (data / "opencode.jsonl").write_text("".join(json.dumps(  # rl: ebft: OpenCodeInstruct-shaped records
+        {"id": str(i), "input": lines[i], "output": lines[i + 1][:40], "domain": "code"}) + "\n" for i in range(20)))
     for config, rows in (("main", 20), ("socratic", 4)):  # a hub dataset folder, downloaded: a subfolder per config
         (data / "gsm8k" / config).mkdir(parents=True)
         (data / "gsm8k" / config / "train.jsonl").write_text("".join(json.dumps(
@@ -262,6 +264,22 @@ def test_gdpo_run_scores_and_moves(runs):
     assert len(rows) == 16 and rows[0]["prompt"][-1]["role"] == "user" and "answer" in rows.column_names
     log = logged(job.train.output_dir)
     assert all("rewards/format_reward/mean" in r and "rewards/correctness_reward/mean" in r for r in log), log
+    assert any(r["reward_std"] > 0 for r in log), log
+    assert any(v.abs().max() > 0 for k, v in saved_tensors(job.train.output_dir).items() if "lora_B" in k)
+
+
+def test_ebft_run_matches_features(runs):
+    """rl: ebft under FSDP2 with use_vllm: true (transformers generates): the prompts are Axolotl's ebft_opencode
+    rows (16 of 20: split train[:16]), the feature-matching reward and its parts are logged, completions score
+    differently within a group, and the adapter moved. Parity with one process: test_train_grpo.py."""
+    from nd_parallel.cli.train.data import load_prepared
+
+    root, jobs = runs
+    job = jobs["llama3_ebft_opencode_lora_fsdp2"]
+    rows = load_prepared(job.prepared)[0]
+    assert len(rows) == 16 and sorted(rows.column_names) == ["ground_truth", "prompt"]
+    log = logged(job.train.output_dir)
+    assert all(k in r for r in log for k in ("ebft/alignment", "ebft/diversity", "ebft/cfm_loss")), log
     assert any(r["reward_std"] > 0 for r in log), log
     assert any(v.abs().max() > 0 for k, v in saved_tensors(job.train.output_dir).items() if "lora_B" in k)
 

@@ -167,7 +167,7 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
     reason (not the generic unknown-key list). Axolotl's fused kernels of the same math (use_glm_dsa_kernels,
     use_dsv4_kernels) are accepted with one line each, as its other kernel switches."""
     keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
-                llmcompressor={"recipe": {}}, rl="ebft", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
+                llmcompressor={"recipe": {}}, rl="simpo", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
@@ -175,7 +175,7 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
     for needle in ("pre-quantized NVFP4 checkpoints are not loaded", "FP4 grouped expert kernels",
                    "llmcompressor.recipe has no modifier",
                    "list axolotl.integrations.llm_compressor.LLMCompressorPlugin under plugins:",
-                   "rl='ebft': nd-parallel train runs rl: dpo, ipo",
+                   "rl='simpo': nd-parallel train runs rl: dpo, ipo",
                    "fp8=True: FP8 training runs its matmuls on CUDA FP8 tensor cores", "train in bf16",
                    "fp8_enable_fsdp_float8_all_gather=True: belongs to fp8"):
         assert needle in message, (needle, message)

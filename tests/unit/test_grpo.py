@@ -10,7 +10,8 @@ import torch
 from transformers import GenerationConfig
 
 from nd_parallel.cli.train.config import load_train_config
-from nd_parallel.cli.train.grpo import KeyedSampling, Settings, batch_problem
+from nd_parallel.cli.train.grpo import Settings, batch_problem
+from nd_parallel.cli.train.grpo_rank import KeyedSampling
 from nd_parallel.config import ConfigError
 
 
@@ -97,7 +98,7 @@ def test_a_grpo_yaml_passes_and_imports_from_its_folder(workspace, monkeypatch):
 
 def test_every_bad_grpo_setting_is_refused_in_one_message(workspace):
     trl = {"reward_funcs": ["rwd_unit.score", "rwd_unit.one_argument", "nowhere.fn", "rwd_unit.absent"],
-           "reward_weights": [1.0], "num_generations": 1, "use_vllm": True, "multi_objective_aggregation":
+           "reward_weights": [1.0], "num_generations": 1, "rollout_func": "m.f", "multi_objective_aggregation":
            "sum_then_normalize", "num_generation": 4, "prefetch_depth": 2}
     with pytest.raises(ConfigError) as err:
         load_train_config(_yaml(workspace, rl="gdpo", trl=trl, tensor_parallel_size=2, sample_packing=True,
@@ -106,7 +107,7 @@ def test_every_bad_grpo_setting_is_refused_in_one_message(workspace):
     message = str(err.value)
     for needle in ("takes fewer than 2 arguments", "trl.reward_funcs[2]='nowhere.fn' cannot be imported",
                    "has no function 'absent'", "trl.reward_weights=[1.0]: write one number per reward function (4)",
-                   "trl.num_generations=1", "trl.use_vllm=True: vLLM generation needs its CUDA server",
+                   "trl.num_generations=1", "trl.rollout_func='m.f': a custom rollout replaces the keyed sampling",
                    "'sum_then_normalize' is GRPO's", "unknown key trl.num_generation; did you mean 'num_generations'",
                    "trl.prefetch_depth=2: a setting of Axolotl's async GRPO", "with tp_size=2",
                    "sample_packing=True with rl: gdpo",

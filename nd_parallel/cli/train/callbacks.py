@@ -19,7 +19,7 @@ EVAL_LOG_FILE = "eval_log.jsonl"
 GENERATION_METRICS = tuple(f"eval_{name}" for name in lm_eval.METRICS)  # do_causal_lm_eval's (lm_eval.py)
 
 
-RL_METRICS = ("reward", "rewards/", "completions/", "kl")  # what GRPOTrainer logs of its completions
+RL_METRICS = ("reward", "rewards/", "completions/", "kl", "ebft/")  # what GRPOTrainer logs of its completions
 
 
 class ProgressAndLog(TrainerCallback):

@@ -16,8 +16,8 @@ returns a row function, or ``(row function, map kwargs)``; ``tokenizer=`` is pas
 and must give each row a ``prompt`` (a string or a list of chat messages); the other columns reach the reward
 functions as keyword arguments. The parent runs the transforms and checks every import before any rank starts.
 
-What this adds to TRL so that a layout trains as one process does: completions are sampled with keyed noise
-(``KeyedSampling``): each token of each row of a generation batch is the Gumbel-max sample of the same warped
+What this adds to TRL so that a layout trains as one process does (grpo_rank.py): completions are sampled with keyed
+noise (``KeyedSampling``): each token of each row of a generation batch is the Gumbel-max sample of the same warped
 distribution transformers samples from, with the noise drawn from a generator keyed by (seed, generation round, the
 row's place in the global generation batch, the token's position in the completion), not torch's global generator,
 whose draws depend on how many rows each rank holds. One process and every data-parallel layout so sample the same
@@ -38,7 +38,6 @@ import importlib.util
 import inspect
 import os
 import sys
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 from .data.sources import names_function as is_transform
 from .keys import model_splits
 
-RL = ("grpo", "gdpo")
+RL = ("grpo", "gdpo", "ebft")  # ebft: GRPO with ebft.py's feature-matching reward
 # trl: key -> GRPOConfig argument (Axolotl's GRPOStrategy.set_training_args_kwargs)
 ARGS = {k: k for k in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
                        "repetition_penalty", "reward_weights", "scale_rewards", "loss_type",
@@ -54,17 +53,19 @@ ARGS = {k: k for k in ("num_generations", "max_completion_length", "temperature"
                        "importance_sampling_level", "multi_objective_aggregation", "generation_batch_size",
                        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
                        "num_completions_to_print")}
-READ_HERE = ("beta", "reward_funcs", "use_vllm")
+READ_HERE = ("beta", "reward_funcs", "use_vllm", "generation_kwargs", "chat_template_kwargs")
 # Axolotl's keys that need what this path does not have: the fix for each
-REFUSED = {"use_vllm": "vLLM generation needs its CUDA server; set use_vllm: false (transformers generates here)",
-           "rollout_func": "a custom rollout replaces the keyed sampling that keeps layouts equal; drop it, or run the "
+REFUSED = {"rollout_func": "a custom rollout replaces the keyed sampling that keeps layouts equal; drop it, or run the "
                            "YAML with Axolotl",
            "use_liger_loss": "Liger's fused GRPO loss is a Triton kernel; drop it (the same loss runs without it)",
            "async_prefetch": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
            "use_data_producer": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
            "reward_processing_classes": "reward models here use their own tokenizer; drop it"}
-# read by Axolotl 0.19's async GRPO and EBFT trainers only, not by the GRPOTrainer it runs for rl: grpo / gdpo
+# read by Axolotl 0.19's async GRPO and EBFT trainers, not by the GRPOTrainer it runs for rl: grpo / gdpo
 UNREAD = ("generation_kwargs", "chat_template_kwargs")
+VLLM_NOTE = ("trl.use_vllm: vLLM generates from a CUDA server (vllm_server_host / port); here transformers generates "
+             "on each rank, sampling the same distribution with keyed noise (no server to start; vllm: and vllm_* "
+             "unused)")
 VLLM = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_guided_decoding_regex",
         "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
         "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
@@ -79,7 +80,9 @@ class GRPOOptions:
     trl: dict | None = None
     """Axolotl's trl: block (rl: grpo / gdpo): GRPOConfig's generation, reward and loss settings (grpo.py)."""
     vllm: dict | None = None
-    """Axolotl's vllm: block: read only with trl.use_vllm: true, which is refused here (accepted when unused)."""
+    """Axolotl's vllm: block: vLLM's server settings, unused (transformers generates here; one line says so)."""
+    ebft: dict | None = None
+    """rl: ebft's block (feature_layers, embed_method, use_whitening, alignment_coef, diversity_coef): ebft.py."""
     import_dirs: list[str] = field(default_factory=list)
     """Where the reward functions' and transforms' modules are imported from: the working directory, then the
     YAML's folder (set by the parent, not a YAML key)."""
@@ -96,12 +99,24 @@ def importable(dirs: list[str]):
         sys.path[:] = saved
 
 
+def _builtin() -> dict:
+    """Axolotl's own record transforms of its RL trainers (used when no module of that name is importable)."""
+    from .data.ebft_types import TRANSFORMS
+
+    return TRANSFORMS
+
+
 def load_function(name: str, dirs: list[str]):
-    """The function ``module.function`` (``package.module.function``) from ``dirs`` or installed packages; raises
-    ImportError / AttributeError with the reason."""
+    """The function ``module.function`` (``package.module.function``) from ``dirs`` or installed packages, else one
+    of Axolotl's built-in transforms of that name; raises ImportError / AttributeError with the reason."""
     module, _, attr = name.rpartition(".")
-    with importable(dirs):
-        found = importlib.import_module(module)
+    try:
+        with importable(dirs):
+            found = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name == module and name in _builtin():  # Axolotl tries the user's module first, then its own
+            return _builtin()[name]
+        raise
     fn = getattr(found, attr, None)
     if not callable(fn):
         raise AttributeError(f"module {module!r} ({getattr(found, '__file__', '?')}) has no function {attr!r}")
@@ -145,7 +160,7 @@ def _block_refusals(block: dict, rl: str) -> list[str]:
             out.append(f"trl.{key}={value!r}: {REFUSED[key]}")
         elif key in ASYNC and value not in (None, False):
             out.append(f"trl.{key}={value!r}: a setting of Axolotl's async GRPO trainer; drop it")
-        elif key not in ARGS and key not in READ_HERE and key not in REFUSED and key not in VLLM + ASYNC + UNREAD:
+        elif key not in ARGS and key not in READ_HERE and key not in REFUSED and key not in VLLM + ASYNC:
             from .data.sources import suggest
 
             out.append(f"unknown key trl.{key}; {suggest(key, [*ARGS, *READ_HERE])}")
@@ -164,15 +179,23 @@ def _block_refusals(block: dict, rl: str) -> list[str]:
 
 def refusals(d: dict, layout, path) -> list[str]:
     """The config stage's refusal lines for rl: grpo / gdpo; sets import_dirs in ``d``."""
-    rl, block = d.get("rl"), d.get("trl")
+    rl, block = d.get("rl"), d.get("trl") if d.get("trl") is not None or d.get("rl") != "ebft" else {}
     if not isinstance(block, dict):
         return [f"trl={block!r} with rl: {rl}: write the trl: block with reward_funcs (module.function names) "
                 "and the generation settings (num_generations, max_completion_length, ...)"]
     dirs = list(dict.fromkeys([os.getcwd(), str(Path(path).resolve().parent)]))
     d["import_dirs"] = dirs
-    out = _block_refusals(block, rl) + _reward_refusals(block.get("reward_funcs"), block.get("reward_weights"), dirs)
+    out = _block_refusals(block, rl)
+    if rl == "ebft":  # the reward is feature matching (ebft.py); Axolotl ignores reward_funcs there
+        from . import ebft
+
+        out += ebft.refusals(d)
+    else:
+        out += _reward_refusals(block.get("reward_funcs"), block.get("reward_weights"), dirs)
     for i, entry in enumerate(d.get("datasets") or []):
         kind = entry.get("type") if isinstance(entry, dict) else None
+        if rl == "ebft" and kind in _builtin():
+            continue
         if kind is not None and not is_transform(kind):
             out.append(f"datasets[{i}].type={kind!r} with rl: {rl}: GRPO reads prompts; name a transform "
                        "(type: module.function returning {'prompt': ...}) or leave type out for records that have "
@@ -191,16 +214,37 @@ def refusals(d: dict, layout, path) -> list[str]:
     return out
 
 
+def generation_settings(kwargs: dict | None) -> tuple[dict, list[int], list[str]]:
+    """trl.generation_kwargs (vLLM SamplingParams in Axolotl's EBFT) for transformers' generate: (the
+    GenerationConfig settings, stop_token_ids as extra end tokens, the keys without a transformers meaning)."""
+    from transformers import GenerationConfig
+
+    kwargs, known = dict(kwargs or {}), GenerationConfig()
+    stop = list(kwargs.pop("stop_token_ids", None) or [])
+    dropped = sorted(k for k in kwargs if not hasattr(known, k))
+    return {k: v for k, v in kwargs.items() if k not in dropped}, stop, dropped
+
+
 def notes(d: dict) -> list[str]:
     """Lines for what this path reads other than as written."""
     out = []
     block = d.get("trl") if isinstance(d.get("trl"), dict) else {}
-    if d.get("vllm") and not block.get("use_vllm"):
+    if block.get("use_vllm"):
+        out.append(VLLM_NOTE)
+    elif d.get("vllm"):
         out.append("vllm: Axolotl reads this block only with trl.use_vllm: true; unused (transformers generates)")
-    unread = [k for k in block if block[k] is not None and (k in UNREAD or k in VLLM and not block.get("use_vllm"))]
+    unread = [k for k in block if block[k] is not None and (k in VLLM and not block.get("use_vllm") or k in UNREAD
+                                                            and d.get("rl") != "ebft")]
     for key in unread:
         why = "read by Axolotl's async GRPO trainer only" if key in UNREAD else "read only with use_vllm: true"
         out.append(f"trl.{key}: {why}, not by the GRPOTrainer Axolotl 0.19 runs; unused here too")
+    if d.get("rl") == "ebft":
+        from . import ebft
+
+        out += ebft.notes(d)
+        dropped = generation_settings(block.get("generation_kwargs"))[2]
+        out += [f"trl.generation_kwargs.{k}: a vLLM sampling setting without a transformers generate meaning; not "
+                "applied" for k in dropped]
     if d.get("rl") in RL:
         out.append(f"rl: {d['rl']}: completions are sampled with noise keyed by (seed, round, row, position), so "
                    "every data-parallel layout samples what one process samples (not torch's global generator)")
@@ -212,6 +256,10 @@ def batch_problem(cfg, dp: int) -> str | None:
     block = cfg.trl or {}
     generations = block.get("num_generations", 8)
     batch = block.get("generation_batch_size") or cfg.micro_batch_size * dp * cfg.gradient_accumulation_steps
+    if cfg.rl == "ebft" and (cfg.micro_batch_size * cfg.gradient_accumulation_steps) % generations:
+        return (f"rl: ebft scores each prompt group on one rank: micro_batch_size {cfg.micro_batch_size} x "
+                f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} (a rank's completions per generation) "
+                f"is not a multiple of trl.num_generations={generations}; change one")
     if batch % generations:
         return (f"the generation batch ({batch} completions: micro_batch_size {cfg.micro_batch_size} x {dp} "
                 f"data-parallel ranks x gradient_accumulation_steps {cfg.gradient_accumulation_steps}, or "
@@ -267,94 +315,3 @@ def prompts(raw, spec, index: int, cfg, tokenizer, where: str):
                           f"{', '.join(ds.column_names)}); GRPO generates from each row's prompt: return "
                           "{'prompt': [...messages...], ...} from the transform")
     return ds, f"{where}: {len(raw)} records -> {len(ds)} prompts ({spec.type or 'as given'})"
-
-
-# ------------------------------------------------------------------------------------------------- ranks
-class KeyedSampling:
-    """A logits processor that samples each row's next token itself: Gumbel-max over the distribution that
-    transformers' sampling would draw from (the same warpers, built from the generation config), with noise from a
-    generator keyed by (seed, round, the row's global index, the completion position). It returns -inf everywhere but
-    the chosen token, so whatever sampling follows picks that token. Written by hand: transformers' sampling draws
-    from torch's global generator, whose stream depends on how many rows a rank holds."""
-
-    def __init__(self, generation_config, seed: int, round_: int, first_row: int):
-        from transformers.generation.logits_process import (
-            LogitsProcessorList,
-            MinPLogitsWarper,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        g = generation_config
-        self.warpers = LogitsProcessorList(
-            ([TemperatureLogitsWarper(g.temperature)] if g.temperature not in (None, 1.0) else [])
-            + ([TopKLogitsWarper(g.top_k)] if g.top_k else [])
-            + ([TopPLogitsWarper(g.top_p)] if g.top_p is not None and g.top_p < 1.0 else [])
-            + ([MinPLogitsWarper(g.min_p)] if g.min_p is not None else []))
-        self.key, self.first_row, self.start = (seed, round_), first_row, None
-
-    def noise(self, row: int, position: int, vocab: int):
-        import torch
-
-        from nd_parallel.plugins.trainer.relora import keyed_generator
-
-        where = zlib.crc32(f"{self.first_row + row}:{position}".encode())
-        uniform = torch.rand(vocab, generator=keyed_generator(*self.key, where), dtype=torch.float64)
-        return -torch.log(-torch.log(uniform.clamp(min=1e-300)))
-
-    def __call__(self, input_ids, scores):
-        import torch
-
-        if self.start is None:  # the first call sees the (left-padded) prompts alone
-            self.start = input_ids.shape[1]
-        position = input_ids.shape[1] - self.start
-        logp = torch.log_softmax(self.warpers(input_ids, scores).double(), dim=-1)
-        noise = torch.stack([self.noise(b, position, scores.shape[-1]) for b in range(scores.shape[0])])
-        chosen = (logp + noise.to(logp.device)).argmax(dim=-1)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, chosen[:, None], 0.0)
-
-
-def trainer(t, trainer_args: dict, **parts):
-    """TRL's GRPOTrainer for ``t`` (rl: grpo / gdpo) with keyed sampling (KeyedSampling)."""
-    import torch.distributed as dist
-    import trl
-
-    from nd_parallel.plugins.trainer.dpo import global_mean_share
-
-    block = dict(t.trl or {})
-    kwargs = {ARGS[k]: v for k, v in block.items() if k in ARGS and v is not None}
-    if t.rl == "gdpo":
-        kwargs.setdefault("multi_objective_aggregation", "normalize_then_sum")
-    beta = block["beta"] if block.get("beta") is not None else t.rl_beta  # Axolotl: trl.beta, else rl_beta
-    args = trl.GRPOConfig(**{**trainer_args, "gradient_checkpointing": False, "beta": 0.0 if beta is None else
-                             float(beta), **kwargs})
-    funcs = [name if not is_transform(name) else load_function(name, t.import_dirs) for name in block["reward_funcs"]]
-
-    class KeyedGRPOTrainer(trl.GRPOTrainer):
-        rounds = 0
-
-        def _generate_single_turn(self, prompt_ids, *args, **kw):
-            counts = [len(prompt_ids)]
-            if dist.is_initialized():  # the global generation batch is the ranks' batches in rank order
-                counts = [None] * dist.get_world_size()
-                dist.all_gather_object(counts, len(prompt_ids))
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            sampler = KeyedSampling(self.generation_config, self.args.seed, self.rounds, sum(counts[:rank]))
-            self.rounds += 1
-            model = self.accelerator.unwrap_model(self.model_wrapped)
-            plain = model.generate
-            model.generate = lambda *a, **k: plain(*a, logits_processor=[sampler], **k)
-            try:
-                return super()._generate_single_turn(prompt_ids, *args, **kw)
-            finally:
-                del model.generate  # the class's method again
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            # TRL scales each rank's loss for DDP's mean over the ranks; nd_parallel sums the dp gradients: each
-            # rank's loss enters as 1/dp of the mean (its value the ranks' mean, what TRL logs)
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            return global_mean_share(self, loss, 1)
-
-    return KeyedGRPOTrainer(reward_funcs=funcs, args=args, **parts)

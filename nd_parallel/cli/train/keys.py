@@ -52,10 +52,6 @@ KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fu
                "use_dsv4_kernels", "use_glm_dsa_kernels")
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
-# RL and reward-model trainers compute their own losses (preference pairs, reference models, rewards): nd_parallel's
-# Trainer callback and Axolotl plugin are proven with the Trainer's and TRL SFTTrainer's token-mean loss only.
-_NOT_SFT = ("the nd_parallel Trainer callback and Axolotl plugin are checked with supervised fine-tuning (the "
-            "Trainer, TRL's SFTTrainer) only, not with RL or reward trainers: run this YAML with plain Axolotl")
 REFUSED = {
     "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
@@ -70,8 +66,6 @@ REFUSED = {
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
-    "ebft": "energy-based fine-tuning is an RL-style trainer; nd-parallel train does supervised fine-tuning "
-            "only; " + _NOT_SFT,
     "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
                                 "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)

@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import diffusion, grpo, lm_eval, objective, prequantized, restarts, sparsity
+from . import diffusion, grpo, grpo_rank, lm_eval, objective, prequantized, restarts, sparsity
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -237,7 +237,7 @@ def _run_train(job: TrainJob) -> dict:
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # TRL's GRPOTrainer on prompts (grpo.py), or its DPO / KTO / ORPO trainers on preferences (preference.py)
-        trainer = (grpo.trainer if t.rl in grpo.RL else preference_trainer)(t, job.trainer_args, **parts)
+        trainer = (grpo_rank.trainer if t.rl in grpo.RL else preference_trainer)(t, job.trainer_args, **parts)
     elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
         trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
