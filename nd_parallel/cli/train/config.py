@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
 
-from . import equivalents, keys
+from . import equivalents, grpo, keys
 from .data.sources import DatasetSpec, dataset_specs, suggest
 from .data.templates import template_problem
 from .equivalents import ALIASES, Mapped
@@ -366,7 +366,7 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     refused += layout_refused + rl_refusals(d, layout, path) + model_kind_refusals(d, layout)
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
     specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused,
-                          transforms=d.get("rl") in ("grpo", "gdpo", "ebft"))
+                          transforms=d.get("rl") in grpo.RL)
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
     for key in _CHECKS:
         if train.get(key) is not None:

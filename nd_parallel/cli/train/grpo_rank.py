@@ -56,7 +56,8 @@ class KeyedSampling:
 
 
 def trainer(t, trainer_args: dict, **parts):
-    """TRL's GRPOTrainer for ``t`` (rl: grpo / gdpo) with keyed sampling (KeyedSampling)."""
+    """TRL's GRPOTrainer for ``t`` (rl: grpo / gdpo / ebft) with keyed sampling (KeyedSampling); for ebft its one
+    reward is ebft.FeatureMatchingReward."""
     import torch.distributed as dist
     import trl
 

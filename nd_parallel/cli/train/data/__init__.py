@@ -61,8 +61,9 @@ def _fingerprint(cfg, tokenizer) -> str:
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
-    if cfg.rl in ("grpo", "gdpo", "ebft"):  # rl: grpo's transforms are the user's code: an edit makes other prompts
-        from ..grpo import module_file
+    from ..grpo import RL, module_file
+
+    if cfg.rl in RL:  # rl: grpo's transforms are the user's code: an edit makes other prompts
 
         files = [module_file(s.type, cfg.import_dirs) for s in cfg.datasets if "." in s.type]
         state["code"] = [Path(f).read_text() for f in files if f]
@@ -160,10 +161,11 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     if (out / "done.json").is_file():
         info = json.loads((out / "done.json").read_text())
         return Prepared(str(out), how, info["sources"], info["train_rows"], info["eval_rows"], cached=True)
+    from ..grpo import RL, prompts
+
     parts, lines = [], []
     for i, spec in enumerate(cfg.datasets):
-        if cfg.rl in ("grpo", "gdpo", "ebft"):  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
-            from ..grpo import prompts
+        if cfg.rl in RL:  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
 
             raw, where = load_source(spec, str(Path(workdir) / "raw-cache"))
             ds, line = prompts(raw, spec, i, cfg, tokenizer, where)
