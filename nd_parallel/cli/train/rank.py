@@ -344,3 +344,13 @@ if __name__ == "__main__":  # a launched rank: python -m nd_parallel.cli.train.r
 
     die_with_parent()  # a rank never outlives torchrun's agent (a dead agent is a dead node)
     main(sys.argv[1])
+    # The run is over: the exit handlers end it in order (a pending checkpoint, the process groups: fault/runtime.py),
+    # then the process leaves without the interpreter's and C++'s own teardown of torch objects. That teardown is
+    # where a rank can still abort after a clean run ("terminate called without an active exception": seen once in
+    # CI, rank 1 of a restarted attempt on a loaded machine), with nothing left for it to do.
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
