@@ -18,8 +18,9 @@ def test_the_reward_equals_axolotls(tmp_path):
     mask = torch.ones(6, 9, dtype=torch.long)
     for row, length in enumerate((9, 7, 5, 8, 6, 9)):
         mask[row, length:] = 0  # right padding
-    spec = {"hidden": torch.randn(6, 9, 12, generator=g), "mask": mask, "prompt_lengths": torch.tensor([3, 2, 1, 4, 2, 3]),
-            "generated": torch.randn(6, 12, generator=g), "truth": torch.randn(2, 12, generator=g), "groups": 3}
+    spec = {"hidden": torch.randn(6, 9, 12, generator=g), "mask": mask,
+            "prompt_lengths": torch.tensor([3, 2, 1, 4, 2, 3]), "generated": torch.randn(6, 12, generator=g),
+            "truth": torch.randn(2, 12, generator=g), "groups": 3}
     torch.save(spec, tmp_path / "spec.pt")
     run_in_axolotl(str(Path(__file__).with_name("axolotl_ebft_dump.py")), str(tmp_path / "spec.pt"),
                    str(tmp_path / "out.pt"))

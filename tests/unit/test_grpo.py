@@ -77,7 +77,8 @@ def workspace(tmp_path):
 
 
 def _yaml(path, **keys):
-    base = {"base_model": "./m", "rl": "grpo", "datasets": [{"path": str(path / "q.jsonl"), "type": "rwd_unit.prompts"}],
+    base = {"base_model": "./m", "rl": "grpo",
+            "datasets": [{"path": str(path / "q.jsonl"), "type": "rwd_unit.prompts"}],
             "trl": {"reward_funcs": ["rwd_unit.score"], "num_generations": 2}, "micro_batch_size": 2,
             "sequence_len": 64}
     (path / "c.yml").write_text(json.dumps({**base, **keys}))
@@ -160,9 +161,9 @@ def test_a_local_dataset_folders_configuration(workspace):
     spec = DatasetSpec(path=str(folder), name="socratic", split="train[:40%]")
     rows, _ = load_source(spec, str(workspace / "cache"))  # no README: the subfolder
     assert rows["q"] == [f"socratic {i}" for i in range(4)]
-    (folder / "README.md").write_text("---\nconfigs:\n" + "".join(
-        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n" for c in ("main", "socratic"))
-        + "---\n")
+    configs = "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+                      for c in ("main", "socratic"))
+    (folder / "README.md").write_text("---\nconfigs:\n" + configs + "---\n")
     rows, _ = load_source(DatasetSpec(path=str(folder), name="main", split="train[2:5]"), str(workspace / "cache"))
     assert rows["q"] == ["main 2", "main 3", "main 4"]
     with pytest.raises(ConfigError, match="'nope' not found"):

@@ -2,14 +2,14 @@
 order: a random permutation cut into megabatches of up to 50 batches, each sorted by length, longest first, so a
 batch holds samples of similar length and pads less), what Axolotl turns on through ``train_sampling_strategy``.
 
-One difference so that a layout trains as one process does: the megabatches are made of *global* batches
-(micro-batch x data-parallel ranks x gradient accumulation) and the permutation comes from a generator seeded with
-the run's seed and the epoch, not torch's global one. transformers sizes them by the per-device batch, so under dp ranks the grouping
-(and so which samples meet in a step) would change with the number of ranks; here one process on the global batch
-and every layout take the same samples in the same steps. As in Axolotl, packed rows (``sample_packing``) and
+One difference so that a layout trains as one process does: the megabatches are made of *global* batches (micro-batch
+x data-parallel ranks x gradient accumulation) and the permutation comes from a generator seeded with the run's seed
+and the epoch, not torch's global one. transformers sizes them by the per-device batch, so under dp ranks the grouping
+(and so which samples meet in a step) would change with the number of ranks; here one process on the global batch and
+every layout take the same samples in the same steps. As in Axolotl, packed rows (``sample_packing``) and
 ``curriculum_sampling`` keep their own order, and the RL, reward-model and multimodal trainers are not grouped: the
-key changes nothing there (one line says so). Evaluation is not reordered. A streamed dataset has no lengths up
-front: refused, as Axolotl refuses it with ``pretraining_dataset``.
+key changes nothing there (one line says so). Evaluation is not reordered. A streamed dataset has no lengths up front:
+refused, as Axolotl refuses it with ``pretraining_dataset``.
 """
 
 from __future__ import annotations
