@@ -158,8 +158,9 @@ def test_a_local_dataset_folders_configuration(workspace):
         (folder / config).mkdir(parents=True)
         (folder / config / "train.jsonl").write_text("".join(json.dumps({"q": f"{config} {i}"}) + "\n"
                                                              for i in range(10)))
+    (folder / "README.md").write_text("# GSM8K\nA dataset card without configurations.\n")
     spec = DatasetSpec(path=str(folder), name="socratic", split="train[:40%]")
-    rows, _ = load_source(spec, str(workspace / "cache"))  # no README: the subfolder
+    rows, _ = load_source(spec, str(workspace / "cache"))  # no configurations in the README: the subfolder
     assert rows["q"] == [f"socratic {i}" for i in range(4)]
     configs = "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
                       for c in ("main", "socratic"))

@@ -299,7 +299,8 @@ def _configuration(spec: DatasetSpec, cache_dir: str):
     import datasets
 
     root, where = spec.resolved, f"{spec.resolved} (configuration {spec.name!r})"
-    if (root / "README.md").is_file():
+    readme = root / "README.md"
+    if readme.is_file() and "config_name:" in readme.read_text(encoding="utf-8", errors="ignore"):
         try:
             loaded = datasets.load_dataset(str(root), name=spec.name, split=parse_split(spec.split)[0],
                                            cache_dir=cache_dir)
