@@ -28,14 +28,14 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .data.sources import suggest
+
 EMBED_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 STRUCTURED = {"feature_layers": [0.25, 0.5, 0.75], "embed_method": "last_token", "use_whitening": False,
               "alignment_coef": 1.0, "diversity_coef": 1.0, "ce_coef": 0.0, "adaptive_max_tokens": True,
               "gt_length_multiplier": 1.5, "mode": "structured"}
 STRIDED = ("stride", "context_length", "generate_max_len", "n_samples_per_prompt", "temperature", "top_p",
            "rl_coef", "advantage_estimator", "min_completion_prefix")
-# Axolotl's own EBFT record transforms (prompt_strategies/ebft), used when no module of that name is importable
-BUILTIN = {"ebft_opencode.transform"}
 
 
 def refusals(d: dict) -> list[str]:
@@ -49,8 +49,6 @@ def refusals(d: dict) -> list[str]:
                    "generation is not implemented by nd-parallel train; use mode: structured with prompt / "
                    "ground_truth records, or run the YAML with Axolotl")
     for key in sorted(set(block) - set(STRUCTURED) - set(STRIDED)):
-        from .data.sources import suggest
-
         out.append(f"unknown key ebft.{key}; {suggest(key, STRUCTURED)}")
     if block.get("embed_method", "last_token") not in EMBED_METHODS:
         out.append(f"ebft.embed_method={block['embed_method']!r}; use one of {', '.join(EMBED_METHODS)}")
@@ -76,8 +74,9 @@ def notes(d: dict) -> list[str]:
     return out
 
 
-def pool(hidden: torch.Tensor, method: str, mask: torch.Tensor, prompt_lengths: torch.Tensor) -> torch.Tensor:
-    """[B, S, D] hidden states -> [B, D'] sequence embeddings (right-padded rows; ``mask`` marks real tokens)."""
+def pool(hidden: torch.Tensor, method: str, mask: torch.Tensor, prompt_lengths: torch.Tensor | None) -> torch.Tensor:
+    """[B, S, D] hidden states -> [B, D'] sequence embeddings (right-padded rows; ``mask`` marks real tokens;
+    ``prompt_lengths``, read by completion_mean only, the prompt's tokens per row)."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     lengths = mask.sum(1).long()
     if method == "last_token":
@@ -145,8 +144,10 @@ class FeatureMatchingReward:
             tok.padding_side = side
         ids, mask = batch["input_ids"].to(trainer.accelerator.device), batch["attention_mask"].to(
             trainer.accelerator.device)
-        prompt_lengths = torch.tensor([len(tok.encode(p, add_special_tokens=False)) for p in prompt_texts],
-                                      device=ids.device)
+        prompt_lengths = None  # tokenized again only where the pooling reads them
+        if self.block["embed_method"] == "completion_mean":
+            prompt_lengths = torch.tensor([len(tok.encode(p, add_special_tokens=False)) for p in prompt_texts],
+                                          device=ids.device)
         model = self.frozen if self.frozen is not None else trainer.model_wrapped
         unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         disabled = unwrapped.disable_adapter() if self.frozen is None else contextlib.nullcontext()
@@ -177,14 +178,3 @@ class FeatureMatchingReward:
             metrics[f"ebft/{name}"].append(self.trainer.accelerator.gather(value.contiguous()).mean().item())
         return rewards.cpu().tolist()
 
-
-def frozen_copy(t):
-    """Full fine-tuning: the feature network is a frozen copy of the checkpoint on each rank (Axolotl deep-copies the
-    model at the start); None under LoRA (the base with the adapter disabled)."""
-    if t.adapter in ("lora", "qlora"):
-        return None
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(t.base_model, dtype=torch.float32)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return model.requires_grad_(False).eval().to(device)

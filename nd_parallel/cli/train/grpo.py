@@ -43,16 +43,16 @@ from pathlib import Path
 from typing import Any
 
 from .data.sources import names_function as is_transform
+from .data.sources import suggest
 from .keys import model_splits
 
 RL = ("grpo", "gdpo", "ebft")  # ebft: GRPO with ebft.py's feature-matching reward
-# trl: key -> GRPOConfig argument (Axolotl's GRPOStrategy.set_training_args_kwargs)
-ARGS = {k: k for k in ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
-                       "repetition_penalty", "reward_weights", "scale_rewards", "loss_type",
-                       "mask_truncated_completions", "num_iterations", "epsilon", "epsilon_high",
-                       "importance_sampling_level", "multi_objective_aggregation", "generation_batch_size",
-                       "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
-                       "num_completions_to_print")}
+# trl: keys passed to GRPOConfig under the same name (Axolotl's GRPOStrategy.set_training_args_kwargs)
+ARGS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "reward_weights", "scale_rewards", "loss_type", "mask_truncated_completions", "num_iterations", "epsilon",
+        "epsilon_high", "importance_sampling_level", "multi_objective_aggregation", "generation_batch_size",
+        "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
+        "num_completions_to_print")
 READ_HERE = ("beta", "reward_funcs", "use_vllm", "generation_kwargs", "chat_template_kwargs")
 # Axolotl's keys that need what this path does not have: the fix for each
 REFUSED = {"rollout_func": "a custom rollout replaces the keyed sampling that keeps layouts equal; drop it, or run the "
@@ -78,7 +78,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 @dataclass(kw_only=True)
 class GRPOOptions:
     trl: dict | None = None
-    """Axolotl's trl: block (rl: grpo / gdpo): GRPOConfig's generation, reward and loss settings (grpo.py)."""
+    """Axolotl's trl: block (rl: grpo / gdpo / ebft): GRPOConfig's generation, reward and loss settings (grpo.py)."""
     vllm: dict | None = None
     """Axolotl's vllm: block: vLLM's server settings, unused (transformers generates here; one line says so)."""
     ebft: dict | None = None
@@ -123,6 +123,14 @@ def load_function(name: str, dirs: list[str]):
     return fn
 
 
+def _import_problem(what: str, name: str, dirs: list[str]):
+    """(the function, None) or (None, the refusal line naming ``what`` and why its import failed)."""
+    try:
+        return load_function(name, dirs), None
+    except Exception as err:  # the user's module: any import error, named
+        return None, f"{what}={name!r} cannot be imported from {', '.join(dirs)}: {err}"
+
+
 def module_file(name: str, dirs: list[str]) -> str | None:
     """The file of ``name``'s module (for the data cache's fingerprint), or None."""
     with importable(dirs):
@@ -138,13 +146,12 @@ def _reward_refusals(funcs: Any, weights: Any, dirs: list[str]) -> list[str]:
     for i, name in enumerate(funcs):
         if os.path.isdir(name) and os.path.isfile(os.path.join(name, "config.json")):
             continue  # a reward model: TRL loads it as a sequence classifier
-        try:
-            fn = load_function(name, dirs) if is_transform(name) else None
-        except Exception as err:  # the user's module: any import error, named
-            out.append(f"trl.reward_funcs[{i}]={name!r} cannot be imported from {', '.join(dirs)}: {err}")
-            continue
-        if fn is None:
+        if not is_transform(name):
             out.append(f"trl.reward_funcs[{i}]={name!r} is neither module.function nor a local model directory")
+            continue
+        fn, problem = _import_problem(f"trl.reward_funcs[{i}]", name, dirs)
+        if problem:
+            out.append(problem)
         elif len(inspect.signature(fn).parameters) < 2:  # Axolotl's rule
             out.append(f"trl.reward_funcs[{i}]={name!r} takes fewer than 2 arguments; a reward function takes "
                        "(prompts, completions, **kwargs) and returns one float per completion")
@@ -161,8 +168,6 @@ def _block_refusals(block: dict, rl: str) -> list[str]:
         elif key in ASYNC and value not in (None, False):
             out.append(f"trl.{key}={value!r}: a setting of Axolotl's async GRPO trainer; drop it")
         elif key not in ARGS and key not in READ_HERE and key not in REFUSED and key not in VLLM + ASYNC:
-            from .data.sources import suggest
-
             out.append(f"unknown key trl.{key}; {suggest(key, [*ARGS, *READ_HERE])}")
     generations = block.get("num_generations", 8)  # TRL's default
     if isinstance(generations, bool) or not isinstance(generations, int) or generations < 2:
@@ -178,7 +183,7 @@ def _block_refusals(block: dict, rl: str) -> list[str]:
 
 
 def refusals(d: dict, layout, path) -> list[str]:
-    """The config stage's refusal lines for rl: grpo / gdpo; sets import_dirs in ``d``."""
+    """The config stage's refusal lines for rl: grpo / gdpo / ebft; sets import_dirs in ``d``."""
     rl, block = d.get("rl"), d.get("trl") if d.get("trl") is not None or d.get("rl") != "ebft" else {}
     if not isinstance(block, dict):
         return [f"trl={block!r} with rl: {rl}: write the trl: block with reward_funcs (module.function names) "
@@ -201,10 +206,9 @@ def refusals(d: dict, layout, path) -> list[str]:
                        "(type: module.function returning {'prompt': ...}) or leave type out for records that have "
                        "a prompt column")
         elif kind is not None:
-            try:
-                load_function(kind, dirs)
-            except Exception as err:  # the user's module: any import error, named
-                out.append(f"datasets[{i}].type={kind!r} cannot be imported from {', '.join(dirs)}: {err}")
+            problem = _import_problem(f"datasets[{i}].type", kind, dirs)[1]
+            if problem:
+                out.append(problem)
     splits = model_splits(layout)
     if splits:
         out.append(f"rl: {rl} with {splits}: GRPO generates its completions with the whole model on each rank; use "

@@ -64,7 +64,7 @@ def trainer(t, trainer_args: dict, **parts):
     from nd_parallel.plugins.trainer.dpo import global_mean_share
 
     block = dict(t.trl or {})
-    kwargs = {ARGS[k]: v for k, v in block.items() if k in ARGS and v is not None}
+    kwargs = {k: v for k, v in block.items() if k in ARGS and v is not None}
     if t.rl == "ebft":  # Axolotl's EBFT config also takes these two (generation_kwargs: vLLM's, translated)
         settings, stop, _ = generation_settings(block.get("generation_kwargs"))
         kwargs.update({"chat_template_kwargs": block.get("chat_template_kwargs"), "generation_kwargs": settings})

@@ -275,9 +275,11 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     from .data import prepare
 
     check_layout_rules(cfg, path)
-    if cfg.rl in grpo.RL and grpo.batch_problem(cfg, layout.dp_size):  # TRL's rule, raised on the ranks otherwise
-        raise ConfigError(f"{path}: {grpo.batch_problem(cfg, layout.dp_size)}")
-    if cfg.rl in grpo.RL:  # GRPOTrainer computes its log-probs with its own fused head, not the model's loss
+    if cfg.rl in grpo.RL:
+        problem = grpo.batch_problem(cfg, layout.dp_size)  # TRL's rule, raised on the ranks otherwise
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
+        # GRPOTrainer computes its log-probs with its own fused head, not the model's loss
         layout = dataclasses.replace(layout, loss_chunk_size=0)
     check_installed(cfg.optimizer, path)
     check_layout(cfg, layout, path)

@@ -9,8 +9,8 @@ Axolotl's meaning: ``rl_beta`` is the trainer's beta (TRL's default 0.1 when uns
 ``kto_desirable_weight`` / ``kto_undesirable_weight`` KTO's weights of the two labels (default 1.0), ``orpo_alpha``
 ORPO's beta where ``rl_beta`` is unset (the weight of its odds-ratio term; ORPO has no reference model). The reference
 policy is the base with the adapter disabled under LoRA, or the trainer's own frozen copy under full fine-tuning,
-prepared under the same layout. ``rl: grpo`` / ``gdpo`` are grpo.py's; Axolotl's other RL trainers (simpo, ebft)
-are refused here.
+prepared under the same layout. ``rl: grpo`` / ``gdpo`` / ``ebft`` are grpo.py's; Axolotl's other RL trainer (simpo)
+is refused here.
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
     rl = d.get("rl")
     if rl in grpo.RL:
         return grpo.refusals(d, layout, path) + _positive(d, "rl_beta", "TRL's GRPO default 0: no KL term")
-    out = [f"trl: with rl: {rl}: the block is read with rl: grpo / gdpo here; for rl: {rl} write rl_beta"
-           for _ in [0] if d.get("trl")]
+    out = [f"trl: with rl: {rl}: the block is read with rl: grpo / gdpo / ebft here; for rl: {rl} write rl_beta"
+           ] if d.get("trl") else []
     if rl is None:
         return out + _type_refusals(d, None)
     if rl not in RL:
         return out + [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer), "
-                      f"orpo (TRL's ORPOTrainer), grpo and gdpo (TRL's GRPOTrainer); for Axolotl's other RL trainers "
-                      + _AXOLOTL_ONLY]
+                      "orpo (TRL's ORPOTrainer), grpo, gdpo and ebft (TRL's GRPOTrainer); for Axolotl's other RL "
+                      "trainers " + _AXOLOTL_ONLY]
     out += _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",

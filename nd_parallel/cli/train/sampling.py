@@ -37,11 +37,14 @@ class _EpochSeeded(torch.utils.data.Sampler):
         return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
 
 
+# keys whose runs keep their own order (packing, curriculum) or trainer (RL, reward models, multimodal): not grouped
+NOT_GROUPED = ("sample_packing", "curriculum_sampling", "rl", "reward_model", "process_reward_model", "processor_type")
+
+
 def note(d: dict) -> list[str]:
     if not d.get("group_by_length"):
         return []
-    other = next((k for k in ("sample_packing", "curriculum_sampling", "rl", "reward_model", "process_reward_model",
-                              "processor_type") if d.get(k)), None)
+    other = next((k for k in NOT_GROUPED if d.get(k)), None)
     if other:
         return [f"group_by_length with {other}: not grouped ({other} keeps its own order, as in Axolotl)"]
     return ["group_by_length: megabatches of 50 global batches sorted by length, seeded by seed and epoch, so every "
@@ -57,8 +60,7 @@ def refusals(d: dict) -> list[str]:
 
 def use_length_groups(trainer, t, dp: int) -> None:
     """Axolotl's group_by_length on ``trainer``'s training data (see the module docstring)."""
-    if not t.group_by_length or t.sample_packing or t.curriculum_sampling or t.rl or t.processor_type or \
-            t.reward_model or t.process_reward_model:  # note() names each case
+    if not t.group_by_length or any(getattr(t, key) for key in NOT_GROUPED):  # note() names the case
         return
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
     batch = t.micro_batch_size * dp * t.gradient_accumulation_steps

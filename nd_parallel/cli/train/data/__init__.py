@@ -61,11 +61,10 @@ def _fingerprint(cfg, tokenizer) -> str:
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
-    from ..grpo import RL, module_file
+    from ..grpo import RL, is_transform, module_file
 
     if cfg.rl in RL:  # rl: grpo's transforms are the user's code: an edit makes other prompts
-
-        files = [module_file(s.type, cfg.import_dirs) for s in cfg.datasets if "." in s.type]
+        files = [module_file(s.type, cfg.import_dirs) for s in cfg.datasets if is_transform(s.type)]
         state["code"] = [Path(f).read_text() for f in files if f]
     if mistral.is_mistral(tokenizer):  # its file is the whole tokenizer (no template, no added tokens)
         state["tokenizer"] = "mistral-common " + mistral.fingerprint(tokenizer)
@@ -166,7 +165,6 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     parts, lines = [], []
     for i, spec in enumerate(cfg.datasets):
         if cfg.rl in RL:  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
-
             raw, where = load_source(spec, str(Path(workdir) / "raw-cache"))
             ds, line = prompts(raw, spec, i, cfg, tokenizer, where)
         else:

@@ -123,15 +123,15 @@ class DatasetSpec:
 
 
 _KEYS = {f.name for f in dataclasses.fields(DatasetSpec)} - {"base_dir"}
+# Keys Axolotl accepts in an entry that change nothing here when left at their default.
+_INERT = {"shards": None, "revision": None, "trust_remote_code": False,
+          "preprocess_shards": None, "conversation": None, "train_on_split": None}
 _NAMED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 
 def names_function(kind: Any) -> bool:
     """A `type` (or reward function) written module.function: a user function, as Axolotl's RL loaders read it."""
     return isinstance(kind, str) and bool(_NAMED.match(kind))
-# Keys Axolotl accepts in an entry that change nothing here when left at their default.
-_INERT = {"shards": None, "revision": None, "trust_remote_code": False,
-          "preprocess_shards": None, "conversation": None, "train_on_split": None}
 
 
 def dataset_specs(path, datasets: Any, dataset_path: Any = None, problems: list[str] | None = None,
