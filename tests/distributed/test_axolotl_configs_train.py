@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 36 of the 78 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 38 of the 80 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -35,7 +35,8 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "chatml_orpo_lora_fsdp2", "llama_lisa_pp2", "llama_relora_fsdp2", "llava_vision_lora_fsdp2",
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
-           "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2"]
+           "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2",
+           "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -282,6 +283,26 @@ def test_ebft_run_matches_features(runs):
     assert all(k in r for r in log for k in ("ebft/alignment", "ebft/diversity", "ebft/cfm_loss")), log
     assert any(r["reward_std"] > 0 for r in log), log
     assert any(v.abs().max() > 0 for k, v in saved_tensors(job.train.output_dir).items() if "lora_B" in k)
+
+
+def test_strided_ebft_runs_train_on_documents(runs):
+    """rl: ebft, mode: strided under FSDP2 (raw documents) and DDP (prompt / completion records, anchors after the
+    prompt): the rows are tokenized documents padded to sequence_len, several blocks are rolled out per document,
+    their rewards and advantages are logged, and the adapter moved. Parity with one process:
+    test_train_ebft_strided.py."""
+    from nd_parallel.cli.train.data import load_prepared
+
+    root, jobs = runs
+    for name, columns in (("llama3_ebft_strided_lora_fsdp2", ["input_ids", "labels"]),
+                          ("llama3_ebft_strided_structured_ddp", ["input_ids", "labels", "prompt_length"])):
+        job = jobs[name]
+        rows = load_prepared(job.prepared)[0]
+        assert sorted(rows.column_names) == columns and {len(r) for r in rows["input_ids"]} == {48}, name
+        log = logged(job.train.output_dir)
+        assert all(r["ebft/num_blocks"] >= 2 and r["ebft/advantages_std"] > 0 for r in log), (name, log)
+        assert any(v.abs().max() > 0 for k, v in saved_tensors(job.train.output_dir).items() if "lora_B" in k)
+    structured = logged(jobs["llama3_ebft_strided_structured_ddp"].train.output_dir)
+    assert all(r["ebft/anchor_offset"] > 4 and r["ebft/ce_loss"] > 0 for r in structured), structured
 
 
 def test_orpo_run_is_evaluated(runs):

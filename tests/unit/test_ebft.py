@@ -46,11 +46,11 @@ def test_ebft_config_stage(tmp_path):
     notes = "\n".join(cfg.notes)
     for needle in ("trl.use_vllm: vLLM generates from a CUDA server", "generation_kwargs.frequency_penalty: a vLLM"):
         assert needle in notes, (needle, notes)
-    bad = {**base, "ebft": {"mode": "strided", "embed_method": "max", "feature_layers": [2], "stride_len": 3}}
+    bad = {**base, "ebft": {"mode": "striped", "embed_method": "max", "feature_layers": [2], "stride_len": 3}}
     (tmp_path / "c.yml").write_text(json.dumps(bad))
     with pytest.raises(ConfigError) as err:
         load_train_config(tmp_path / "c.yml", environ={})
-    for needle in ("ebft.mode: strided", "ebft.embed_method='max'", "ebft.feature_layers=[2]",
+    for needle in ("ebft.mode='striped'", "ebft.embed_method='max'", "ebft.feature_layers=[2]",
                    "unknown key ebft.stride_len"):
         assert needle in str(err.value), (needle, str(err.value))
 

@@ -16,8 +16,8 @@ TRL's GRPOTrainer, keyed sampling, the same layouts) whose one reward is feature
 Written by hand (Axolotl's trainer subclasses its own GRPO trainer): the reward above as a GRPO reward function.
 A group's reward needs all its completions, so each rank's generation batch (micro_batch_size x
 gradient_accumulation_steps) must hold whole groups of ``num_generations``: checked before any rank starts.
-``ce_coef`` and the ``stride`` ... keys belong to strided mode, which is refused (Axolotl's block-parallel strided
-generation is not implemented here); ``adaptive_max_tokens`` acts with vLLM generation only in Axolotl, and vLLM
+``ce_coef`` and the ``stride`` ... keys belong to strided mode (``mode: strided``: ebft_strided.py, which reuses
+``whiten`` and the settings here); ``adaptive_max_tokens`` acts with vLLM generation only in Axolotl, and vLLM
 is not used here (grpo.py), so completions run to ``max_completion_length`` as in Axolotl's runs without vLLM.
 """
 
@@ -34,8 +34,10 @@ EMBED_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 STRUCTURED = {"feature_layers": [0.25, 0.5, 0.75], "embed_method": "last_token", "use_whitening": False,
               "alignment_coef": 1.0, "diversity_coef": 1.0, "ce_coef": 0.0, "adaptive_max_tokens": True,
               "gt_length_multiplier": 1.5, "mode": "structured"}
-STRIDED = ("stride", "context_length", "generate_max_len", "n_samples_per_prompt", "temperature", "top_p",
-           "rl_coef", "advantage_estimator", "min_completion_prefix")
+# strided mode's own keys with Axolotl's defaults (ebft_strided.py)
+STRIDED = {"stride": 8, "context_length": 8, "generate_max_len": 8, "n_samples_per_prompt": 4, "temperature": 0.6,
+           "top_p": 1.0, "rl_coef": 1.0, "advantage_estimator": "rloo", "min_completion_prefix": 0}
+MODES = ("structured", "strided")
 
 
 def refusals(d: dict) -> list[str]:
@@ -44,10 +46,11 @@ def refusals(d: dict) -> list[str]:
         return [f"ebft={block!r}: write a mapping, e.g. {{feature_layers: [0.25, 0.5, 0.75], embed_method: "
                 "last_token}"]
     out = []
-    if block.get("mode", "structured") == "strided" or any(block.get(k) is not None for k in STRIDED):
-        out.append("ebft.mode: strided (or its stride / context_length / ... keys): Axolotl's block-parallel strided "
-                   "generation is not implemented by nd-parallel train; use mode: structured with prompt / "
-                   "ground_truth records, or run the YAML with Axolotl")
+    mode = block.get("mode") or "structured"
+    if mode not in MODES:
+        out.append(f"ebft.mode={mode!r}; use one of {', '.join(MODES)}")
+    elif mode == "strided":
+        out += _strided_refusals(block)
     for key in sorted(set(block) - set(STRUCTURED) - set(STRIDED)):
         out.append(f"unknown key ebft.{key}; {suggest(key, STRUCTURED)}")
     if block.get("embed_method", "last_token") not in EMBED_METHODS:
@@ -59,6 +62,34 @@ def refusals(d: dict) -> list[str]:
     return out
 
 
+def _strided_refusals(block: dict) -> list[str]:
+    out = []
+    for key in ("stride", "context_length", "generate_max_len", "n_samples_per_prompt"):
+        value = block.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            out.append(f"ebft.{key}={value!r}: write an integer >= 1 (Axolotl's default {STRIDED[key]})")
+    prefix = block.get("min_completion_prefix")
+    if prefix is not None and (isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0):
+        out.append(f"ebft.min_completion_prefix={prefix!r}: write an integer >= 0 (tokens of the completion before "
+                   "the first anchor)")
+    for key in ("temperature", "top_p", "rl_coef", "ce_coef"):
+        value = block.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+                                  or key == "top_p" and not 0 < value <= 1):
+            out.append(f"ebft.{key}={value!r}: write a number " + ("in (0, 1]" if key == "top_p" else ">= 0"))
+    estimator = block.get("advantage_estimator")
+    if estimator is not None and estimator not in ("rloo", "group_norm", "reinforce"):
+        out.append(f"ebft.advantage_estimator={estimator!r}; use one of rloo, group_norm, reinforce")
+    if block.get("embed_method") in ("completion_mean", "concat"):
+        out.append(f"ebft.embed_method={block['embed_method']!r} with mode: strided: a block is pooled by "
+                   "last_token or mean_pooling (Axolotl reads anything else as last_token); write one of those")
+    return out
+
+
+def strided(d: dict) -> bool:
+    return d.get("rl") == "ebft" and isinstance(d.get("ebft"), dict) and d["ebft"].get("mode") == "strided"
+
+
 def settings(block: dict | None) -> dict:
     return {**STRUCTURED, **{k: v for k, v in (block or {}).items() if v is not None}}
 
@@ -66,11 +97,32 @@ def settings(block: dict | None) -> dict:
 def notes(d: dict) -> list[str]:
     block = settings(d.get("ebft"))
     out = []
+    if strided(d):
+        return _strided_notes(d)
     if block["ce_coef"]:
         out.append(f"ebft.ce_coef={block['ce_coef']}: read by Axolotl's strided mode only; no effect in structured")
     if (d.get("ebft") or {}).get("adaptive_max_tokens"):
         out.append("ebft.adaptive_max_tokens: Axolotl applies it to vLLM generation only; completions here run to "
                    "trl.max_completion_length, as in Axolotl's runs without vLLM")
+    out += [f"ebft.{k}: read in mode: strided only; unused in structured mode" for k in STRIDED
+            if (d.get("ebft") or {}).get(k) is not None]
+    return out
+
+
+def _strided_notes(d: dict) -> list[str]:
+    block = d["ebft"]
+    out = ["ebft.mode: strided: each rollout token's log-prob is read at the position it was sampled from, with its "
+           "own block's advantage (Axolotl reads the previous position of the appended rollouts, another block's "
+           "when there are several); rollouts are sampled with noise keyed by (seed, step, document, rollout, "
+           "position), so every data-parallel layout draws what one process draws"]
+    out += [f"ebft.{k}: read in structured mode only; unused in strided mode" for k in ("adaptive_max_tokens",
+                                                                                       "gt_length_multiplier")
+            if block.get(k) is not None]
+    if d.get("trl"):
+        out.append("trl: Axolotl's strided EBFT reads none of it (the ebft: block sets the rollouts); unused")
+    if str(d.get("attn_implementation") or "").startswith(("flash", "flex")) or d.get("flash_attention"):
+        out.append("attn_implementation: the strided mask is a dense 4-D mask; the model runs SDPA with it here "
+                   "(Axolotl: eager, or flex_attention's block mask on CUDA)")
     return out
 
 

@@ -211,8 +211,8 @@ def refusals(d: dict, layout, path) -> list[str]:
                 out.append(problem)
     splits = model_splits(layout)
     if splits:
-        out.append(f"rl: {rl} with {splits}: GRPO generates its completions with the whole model on each rank; use "
-                   "dp_shard_size / dp_replicate_size")
+        out.append(f"rl: {rl} with {splits}: completions (rollouts) are generated with the whole model on each "
+                   "rank; use dp_shard_size / dp_replicate_size")
     if d.get("sample_packing"):
         out.append(f"sample_packing=True with rl: {rl}: prompts and their completions are not packed; drop it")
     return out
@@ -231,6 +231,10 @@ def generation_settings(kwargs: dict | None) -> tuple[dict, list[int], list[str]
 
 def notes(d: dict) -> list[str]:
     """Lines for what this path reads other than as written."""
+    from . import ebft
+
+    if ebft.strided(d):  # TRL is not used: ebft_strided.py
+        return ebft.notes(d)
     out = []
     block = d.get("trl") if isinstance(d.get("trl"), dict) else {}
     if block.get("use_vllm"):
@@ -243,8 +247,6 @@ def notes(d: dict) -> list[str]:
         why = "read by Axolotl's async GRPO trainer only" if key in UNREAD else "read only with use_vllm: true"
         out.append(f"trl.{key}: {why}, not by the GRPOTrainer Axolotl 0.19 runs; unused here too")
     if d.get("rl") == "ebft":
-        from . import ebft
-
         out += ebft.notes(d)
         dropped = generation_settings(block.get("generation_kwargs"))[2]
         out += [f"trl.generation_kwargs.{k}: a vLLM sampling setting without a transformers generate meaning; not "
@@ -258,6 +260,8 @@ def notes(d: dict) -> list[str]:
 def batch_problem(cfg, dp: int) -> str | None:
     """TRL's rule, checked before any rank starts: a generation batch holds whole groups of num_generations."""
     block = cfg.trl or {}
+    if cfg.rl == "ebft" and (cfg.ebft or {}).get("mode") == "strided":  # its rollouts are per document, per rank
+        return None
     generations = block.get("num_generations", 8)
     batch = block.get("generation_batch_size") or cfg.micro_batch_size * dp * cfg.gradient_accumulation_steps
     if cfg.rl == "ebft" and (cfg.micro_batch_size * cfg.gradient_accumulation_steps) % generations:
@@ -314,6 +318,16 @@ def prompts(raw, spec, index: int, cfg, tokenizer, where: str):
         except Exception as err:
             raise ConfigError(f"{where}: the transform {spec.type!r} failed on a record: {type(err).__name__}: "
                               f"{err}") from None
+    from . import ebft
+
+    if ebft.strided({"rl": cfg.rl, "ebft": cfg.ebft}):  # tokenized documents (ebft_strided.py), nothing else
+        if "input_ids" not in ds.column_names:
+            raise ConfigError(f"{where}: rows have no 'input_ids' after {spec.type or 'no transform'} (columns: "
+                              f"{', '.join(ds.column_names)}); ebft mode: strided trains on tokenized documents: use "
+                              "type: ebft_pretrain.transform or ebft_strided_structured.transform, or a transform "
+                              "returning input_ids (and labels)")
+        ds = ds.select_columns([c for c in ds.column_names if c in ("input_ids", "labels", "prompt_length")])
+        return ds, f"{where}: {len(raw)} records -> {len(ds)} documents ({spec.type or 'as given'})"
     if "prompt" not in ds.column_names:
         raise ConfigError(f"{where}: rows have no 'prompt' after {spec.type or 'no transform'} (columns: "
                           f"{', '.join(ds.column_names)}); GRPO generates from each row's prompt: return "

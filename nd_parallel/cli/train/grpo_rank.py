@@ -63,6 +63,13 @@ def trainer(t, trainer_args: dict, **parts):
 
     from nd_parallel.plugins.trainer.dpo import global_mean_share
 
+    from . import ebft
+
+    if ebft.strided({"rl": t.rl, "ebft": t.ebft}):  # not TRL: transformers' Trainer with the strided loss
+        from . import ebft_strided
+
+        return ebft_strided.trainer(t, trainer_args, **parts)
+
     block = dict(t.trl or {})
     kwargs = {k: v for k, v in block.items() if k in ARGS and v is not None}
     if t.rl == "ebft":  # Axolotl's EBFT config also takes these two (generation_kwargs: vLLM's, translated)
