@@ -236,6 +236,10 @@ def main() -> None:
               f"refused here, {len(both)} are refused by Axolotl too:")
         for name in both:
             print(f"  {name}: here {', '.join(refused[name])}; Axolotl: {theirs_refused[name][:160]}")
+        ours_only = sorted(set(refused) - set(theirs_refused))
+        print(f"refused here only ({len(ours_only)} of the {len(files) - len(theirs_refused)} Axolotl accepts):")
+        for name in ours_only:
+            print(f"  {name}: {', '.join(refused[name])}")
         print("refused by Axolotl, passed here:")
         for name in sorted(set(theirs_refused) - set(refused)):
             print(f"  {name}: Axolotl: {theirs_refused[name][:160]}")

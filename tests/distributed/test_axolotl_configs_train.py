@@ -25,7 +25,7 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 38 of the 80 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 39 of the 81 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -36,7 +36,7 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
            "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2",
-           "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp"]
+           "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp", "llama_relora_qlora_ddp"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -357,6 +357,12 @@ def test_relora_run_saves_the_merged_model(runs):
     assert not (out / "adapter_config.json").exists() and not any("lora_" in k for k in after), sorted(after)[:4]
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(before[key], after[key])
+    # on a 4-bit base (llama_relora_qlora_ddp): the merged float model (relora_quantized.py), not 4-bit codes
+    out = Path(jobs["llama_relora_qlora_ddp"].train.output_dir)
+    merged = saved_tensors(out)
+    assert set(merged) == set(before) and "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert merged[key].dtype == torch.float16 and not torch.equal(merged[key], before[key].half())
+    assert (out / "relora_base" / "step-1" / "done.json").is_file()
 
 
 def test_reward_models_train_their_heads(runs):

@@ -269,10 +269,8 @@ def _run_train(job: TrainJob) -> dict:
     except StopBeforeTheFirstStep.Reached:  # the model is prepared and loaded from the checkpoint: save it again
         if trainer.is_world_process_zero():
             print(f"[nd_parallel] {Path(resume).name} is the run's last step: nothing left to train", flush=True)
-    if t.relora:  # Axolotl saves a ReLoRA run merged (merge_and_unload): the restarts' merges and the last adapter
-        trainer.accelerator.save_model(trainer.model_wrapped, t.output_dir, merge_adapter=True)
-        if trainer.is_world_process_zero():
-            tokenizer.save_pretrained(t.output_dir)
+    if t.relora:  # Axolotl saves a ReLoRA run merged: the restarts' merges and the last adapter
+        restarts.save_relora(t, trainer, tokenizer)
     else:
         trainer.save_model(t.output_dir)  # collective: the full HF model, or the adapter; plus the tokenizer
     logs = trainer.state.log_history

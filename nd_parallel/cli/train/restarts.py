@@ -14,7 +14,9 @@ from dataclasses import dataclass
 PRUNE_METHODS = ("magnitude", "random", "reset")
 # ReLoRA prunes Adam's exp_avg / exp_avg_sq (Axolotl's keys for a non-8-bit Adam); bitsandbytes' optimizers keep
 # their moments as state1 / state2, quantized per rank's shard here (distributed/optimizer_8bit.py)
-RELORA_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+# AdamW's exp_avg / exp_avg_sq, or bitsandbytes' state1 / state2 (relora.prune_moments)
+RELORA_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
+                     "paged_adamw_32bit")
 
 
 @dataclass(kw_only=True)
@@ -89,12 +91,9 @@ def _relora(d: dict) -> list[str]:
         out.append("relora: true without jagged_restart_steps: set how many steps lie between restarts (Axolotl "
                    "requires it too)")
     adapter = d.get("adapter")
-    if adapter == "qlora" or d.get("load_in_8bit"):
-        out.append(f"relora with adapter={adapter!r} on a quantized base: merging into a 4-/8-bit base re-reads and "
-                   "re-quantizes the checkpoint at each restart, which is not implemented; use adapter: lora on the "
-                   "unquantized base (load_in_4bit: false, load_in_8bit: false)")
-    elif adapter != "lora":
-        out.append(f"relora with adapter={adapter!r}: ReLoRA restarts a LoRA adapter; set adapter: lora")
+    if adapter not in ("lora", "qlora"):
+        out.append(f"relora with adapter={adapter!r}: ReLoRA restarts a LoRA adapter; set adapter: lora (or qlora on "
+                   "a 4-bit base)")
     method = d.get("relora_prune_method") or "magnitude"
     if method not in PRUNE_METHODS:
         out.append(f"relora_prune_method={method!r}: use one of {', '.join(PRUNE_METHODS)}")
@@ -102,8 +101,8 @@ def _relora(d: dict) -> list[str]:
     if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
         out.append(f"relora_prune_ratio={ratio!r}: write a share between 0 and 1")
     if (d.get("optimizer") or "adamw_torch") not in RELORA_OPTIMIZERS:
-        out.append(f"relora with optimizer={d['optimizer']!r}: the restarts prune AdamW's fp32 moments (exp_avg, "
-                   f"exp_avg_sq); use optimizer: {' or '.join(RELORA_OPTIMIZERS)}")
+        out.append(f"relora with optimizer={d['optimizer']!r}: the restarts prune Adam's moments; use one of "
+                   f"{', '.join(RELORA_OPTIMIZERS)}")
     if d.get("lora_target_parameters"):
         out.append("relora with lora_target_parameters: the restart merges LoRA on Linear layers only; adapt the "
                    "linear layers (lora_target_modules) or drop relora")
@@ -123,6 +122,11 @@ def check_layout(t: RestartOptions, layout, path) -> None:
     from nd_parallel.config import ConfigError
 
     uses = [k for k, on in (("lisa_n_layers", t.lisa_n_layers), ("relora", t.relora)) if on]
+    quantized = t.relora and (getattr(t, "load_in_4bit", False) or getattr(t, "load_in_8bit", False))
+    if quantized and (layout.tp_size > 1 or layout.ep_size > 1):
+        raise ConfigError(f"{path}: relora on a quantized base with tensor / expert parallelism: a restart quantizes "
+                          "each merged float weight again, whole, and TP / EP hold slices of the quantized codes; "
+                          "use dp_shard_size / dp_replicate_size / pipeline_parallel_size, or an unquantized base")
     if uses and layout.pp_size > 1 and layout.pp_backend == "deepspeed":
         raise ConfigError(f"{path}: {uses[0]} with pp_backend='deepspeed': DeepSpeed's engine builds its own layer "
                           "modules, whose parameters LISA / ReLoRA do not reach; use pp_backend: torch")
@@ -156,5 +160,31 @@ def callbacks(t: RestartOptions, trainer) -> list:
         from nd_parallel.plugins.trainer.relora import ReLoRACallback
 
         out.append(ReLoRACallback(trainer, t.jagged_restart_steps, t.relora_prune_method, t.relora_prune_ratio,
-                                  t.relora_cpu_offload))
+                                  t.relora_cpu_offload, float_master(t)))
     return out
+
+
+def float_master(t):
+    """A quantized base's float weights for ReLoRA's restarts (plugins/trainer/relora_quantized.py), else None."""
+    if not (t.relora and (t.load_in_4bit or t.load_in_8bit)):
+        return None
+    from nd_parallel.plugins.trainer.relora_quantized import FloatMaster
+
+    return FloatMaster(t.base_model, t.output_dir)
+
+
+def save_relora(t, trainer, tokenizer) -> None:
+    """Axolotl saves a ReLoRA run merged: the restarts' merges and the last adapter. On a float base the adapter is
+    merged into the model (merge_and_unload); on a quantized one the float weights are (relora_quantized.py)."""
+    master = float_master(t)
+    if master is None:
+        trainer.accelerator.save_model(trainer.model_wrapped, t.output_dir, merge_adapter=True)
+    else:
+        from nd_parallel.plugins.trainer.relora import merged_floats
+        from nd_parallel.plugins.trainer.relora_quantized import save_merged
+
+        step = trainer.state.global_step + 1  # after every restart's folder
+        merged_floats(trainer.model_wrapped, master, step)
+        save_merged(master, step, trainer.accelerator.unwrap_model(trainer.model_wrapped).config, t.output_dir)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(t.output_dir)
