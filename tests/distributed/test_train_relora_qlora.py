@@ -1,5 +1,5 @@
 """ReLoRA on a 4-bit base (Axolotl's relora.yml: `adapter: qlora` + `load_in_4bit` + `relora` with
-`adamw_bnb_8bit`) through `nd-parallel train`: FSDP2 and DDP equal one process on the global batch, and the run
+`adamw_bnb_8bit`) through `nd-parallel train`: FSDP2, DDP and PP2 equal one process on the global batch, and the run
 ends with the merged float model, as Axolotl's does.
 
 5 steps, restarts before steps 2 and 4 (jagged_restart_steps 2): each merges B @ A x scaling into the layer's float
@@ -33,7 +33,9 @@ BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=5, lear
             adapter="qlora", load_in_4bit=True, lora_r=64, lora_alpha=128, lora_dropout=0.0, lora_target_linear=True,
             relora=True, jagged_restart_steps=2, relora_prune_ratio=1.0, bnb_config_kwargs={
                 "bnb_4bit_compute_dtype": "float32"})
-LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ddp": {"dp_replicate_size": 2}}
+LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ddp": {"dp_replicate_size": 2},
+           "pp2": {"pipeline_parallel_size": 2, "pp_microbatches": 2}}  # PP: each stage merges its own layers
+REF = {"fsdp2": "ref2", "ddp": "ref2", "pp2": "ref1"}  # one process on the same global batch
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,9 @@ def runs(tmp_path_factory):
               "datasets": [{"path": data["text"], "type": "completion"}]}
     parallel = [write_yaml(root / f"{name}.yaml", {**shared, **sizes, "output_dir": str(root / name)})
                 for name, sizes in LAYOUTS.items()]
-    ref = write_yaml(root / "ref.yaml", {**shared, "micro_batch_size": 4, "output_dir": str(root / "ref")})
-    run_jobs(jobs_for([ref], root, 1), root, 1)
+    refs = [write_yaml(root / f"ref{dp}.yaml", {**shared, "micro_batch_size": 2 * dp, "output_dir": str(
+        root / f"ref{dp}")}) for dp in (1, 2)]
+    run_jobs(jobs_for(refs, root, 1), root, 1)
     run_jobs(jobs_for(parallel, root, 2), root, 2)
     return root, data["model"]
 
@@ -53,13 +56,13 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_relora_on_a_4bit_base_matches_one_process(runs, layout):
     root, _ = runs
-    got, want = logged(root / layout), logged(root / "ref")
+    got, want = logged(root / layout), logged(root / REF[layout])
     assert len(got) == len(want) == BASE["max_steps"]
     for key in ("loss", "grad_norm"):
         a, b = torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in want])
         torch.testing.assert_close(a, b, rtol=1e-5, atol=0, msg=key)
     assert sorted(p.name for p in (root / layout / "relora_base").iterdir()) == ["step-2", "step-4", "step-6"]
-    tensors, ref_tensors = saved_tensors(root / layout), saved_tensors(root / "ref")
+    tensors, ref_tensors = saved_tensors(root / layout), saved_tensors(root / REF[layout])
     assert set(tensors) == set(ref_tensors) and tensors
     worst = max((tensors[k].float() - v.float()).abs().max().item() for k, v in ref_tensors.items())
     print(f"relora qlora {layout}: losses {[r['loss'] for r in got]} merged-model diff {worst:.1e}")
@@ -70,7 +73,7 @@ def test_the_run_ends_with_the_merged_float_model(runs):
     """The output is a float checkpoint (no quantization_config) with every tensor of the base; the adapted
     weights moved by the merged deltas, the others are the base's; each restart left its fp16 copies."""
     root, model = runs
-    out = root / "ref"
+    out = root / "ref2"
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     merged, base = saved_tensors(out), load_file(f"{model}/model.safetensors")
