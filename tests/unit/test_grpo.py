@@ -97,10 +97,20 @@ def test_a_grpo_yaml_passes_and_imports_from_its_folder(workspace, monkeypatch):
         assert needle in notes, (needle, notes)
 
 
+def test_async_prefetch_is_read(workspace):
+    """Axolotl's async trainer: accepted with its meaning stated; it reads generation_kwargs, so they are not unused."""
+    trl = {"reward_funcs": ["rwd_unit.score"], "num_generations": 2, "async_prefetch": True, "prefetch_depth": 2,
+           "generation_kwargs": {"stop": ["x"]}}
+    cfg = load_train_config(_yaml(workspace, rl="grpo", trl=trl), environ={})
+    notes = "\n".join(cfg.notes)
+    assert "by the policy at the start of the step 2 before it" in notes, notes
+    assert "trl.generation_kwargs: read by Axolotl's async GRPO" not in notes, notes
+
+
 def test_every_bad_grpo_setting_is_refused_in_one_message(workspace):
     trl = {"reward_funcs": ["rwd_unit.score", "rwd_unit.one_argument", "nowhere.fn", "rwd_unit.absent"],
            "reward_weights": [1.0], "num_generations": 1, "rollout_func": "m.f", "multi_objective_aggregation":
-           "sum_then_normalize", "num_generation": 4, "prefetch_depth": 2}
+           "sum_then_normalize", "num_generation": 4, "prefetch_depth": 0, "replay_buffer_size": 8}
     with pytest.raises(ConfigError) as err:
         load_train_config(_yaml(workspace, rl="gdpo", trl=trl, tensor_parallel_size=2, sample_packing=True,
                                 datasets=[{"path": "q.jsonl", "type": "chat_template"},
@@ -110,7 +120,8 @@ def test_every_bad_grpo_setting_is_refused_in_one_message(workspace):
                    "has no function 'absent'", "trl.reward_weights=[1.0]: write one number per reward function (4)",
                    "trl.num_generations=1", "trl.rollout_func='m.f': a custom rollout replaces the keyed sampling",
                    "'sum_then_normalize' is GRPO's", "unknown key trl.num_generation; did you mean 'num_generations'",
-                   "trl.prefetch_depth=2: a setting of Axolotl's async GRPO", "with tp_size=2",
+                   "trl.prefetch_depth=0: write an integer >= 1", "trl.replay_buffer_size=8: a setting of Axolotl's "
+                   "async GRPO", "with tp_size=2",
                    "sample_packing=True with rl: gdpo",
                    "datasets[0].type='chat_template' with rl: gdpo", "datasets[1].type='rwd_unit.missing_fn'"):
         assert needle in message, (needle, message)

@@ -9,7 +9,9 @@ Axolotl's meaning, key by key: ``trl.beta`` (else ``rl_beta``), ``num_generation
 each reward normalized within its group before the weighted sum, and refuses ``sum_then_normalize``),
 ``generation_batch_size``, ``sync_ref_model`` / ``ref_model_*``, ``log_completions`` / ``num_completions_to_print``:
 GRPOConfig's arguments of the same name. ``generation_kwargs`` and ``chat_template_kwargs`` are read by Axolotl's
-async trainer only, not by the GRPOTrainer it runs: unused, one line. A reward function is ``module.function``
+async trainer only, not by the GRPOTrainer it runs: unused, one line (read with ``async_prefetch``).
+``async_prefetch`` / ``prefetch_depth``: each step's completions sampled by the policy of an earlier step, exactly
+that many steps behind (grpo_async.py). A reward function is ``module.function``
 imported as Axolotl imports it (the working directory first, then the YAML's folder, here), or a local reward-model
 directory; a dataset transform ``module.function`` is called as Axolotl calls it (``function(cfg, dataset_idx=i)``
 returns a row function, or ``(row function, map kwargs)``; ``tokenizer=`` is passed when the row function takes it)
@@ -25,8 +27,9 @@ completions of the same prompts, and the rewards, advantages and updates follow 
 its dapo / grpo / dr_grpo losses as over the global batch; ``bnpo`` normalizes per micro-batch, in TRL too).
 
 Layouts: FSDP2 / HSDP / DDP (generation runs the whole model on each rank; transformers keeps the ranks of a sharded
-model in step). Tensor, pipeline, context and expert parallelism are refused, as are vLLM generation (a CUDA server),
-Axolotl's async GRPO, a custom ``rollout_func`` and sample packing. Evaluation (``val_set_size``) generates with the
+model in step). Tensor, pipeline, context and expert parallelism are refused, as are a custom ``rollout_func``, the
+async trainer's other settings (streaming scoring, replay buffers, ...) and sample packing; ``use_vllm`` generates
+with transformers. Evaluation (``val_set_size``) generates with the
 same keyed sampling: its losses and rewards equal one process's too.
 """
 
@@ -53,13 +56,12 @@ ARGS = ("num_generations", "max_completion_length", "temperature", "top_p", "top
         "epsilon_high", "importance_sampling_level", "multi_objective_aggregation", "generation_batch_size",
         "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "log_completions",
         "num_completions_to_print")
-READ_HERE = ("beta", "reward_funcs", "use_vllm", "generation_kwargs", "chat_template_kwargs")
+READ_HERE = ("beta", "reward_funcs", "use_vllm", "generation_kwargs", "chat_template_kwargs", "async_prefetch",
+             "prefetch_depth", "use_data_producer")  # the async three: grpo_async.py
 # Axolotl's keys that need what this path does not have: the fix for each
 REFUSED = {"rollout_func": "a custom rollout replaces the keyed sampling that keeps layouts equal; drop it, or run the "
                            "YAML with Axolotl",
            "use_liger_loss": "Liger's fused GRPO loss is a Triton kernel; drop it (the same loss runs without it)",
-           "async_prefetch": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
-           "use_data_producer": "Axolotl's async GRPO overlaps vLLM generation with training; drop it",
            "reward_processing_classes": "reward models here use their own tokenizer; drop it"}
 # read by Axolotl 0.19's async GRPO and EBFT trainers, not by the GRPOTrainer it runs for rl: grpo / gdpo
 UNREAD = ("generation_kwargs", "chat_template_kwargs")
@@ -69,7 +71,7 @@ VLLM_NOTE = ("trl.use_vllm: vLLM generates from a CUDA server (vllm_server_host 
 VLLM = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_guided_decoding_regex",
         "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
         "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
-ASYNC = ("prefetch_depth", "streaming_partial_batch", "streaming_min_groups", "off_policy_mask_threshold",
+ASYNC = ("streaming_partial_batch", "streaming_min_groups", "off_policy_mask_threshold",
          "use_bias_correction_kl", "reward_num_workers", "replay_buffer_size", "replay_recompute_logps",
          "reroll_start_fraction", "reroll_max_groups", "skip_zero_advantage_batches")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -169,6 +171,10 @@ def _block_refusals(block: dict, rl: str) -> list[str]:
             out.append(f"trl.{key}={value!r}: a setting of Axolotl's async GRPO trainer; drop it")
         elif key not in ARGS and key not in READ_HERE and key not in REFUSED and key not in VLLM + ASYNC:
             out.append(f"unknown key trl.{key}; {suggest(key, [*ARGS, *READ_HERE])}")
+    depth = block.get("prefetch_depth")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        out.append(f"trl.prefetch_depth={depth!r}: write an integer >= 1 (optimizer steps the sampler runs behind; "
+                   "Axolotl's default 1)")
     generations = block.get("num_generations", 8)  # TRL's default
     if isinstance(generations, bool) or not isinstance(generations, int) or generations < 2:
         out.append(f"trl.num_generations={generations!r}: GRPO compares at least 2 completions of each prompt; "
@@ -242,7 +248,15 @@ def notes(d: dict) -> list[str]:
     elif d.get("vllm"):
         out.append("vllm: Axolotl reads this block only with trl.use_vllm: true; unused (transformers generates)")
     unread = [k for k in block if block[k] is not None and (k in VLLM and not block.get("use_vllm") or k in UNREAD
-                                                            and d.get("rl") != "ebft")]
+                                                            and not reads_generation_kwargs(d["rl"], block))]
+    if block.get("async_prefetch"):
+        out.append(f"trl.async_prefetch: each step's completions are sampled (and their old log-probs read) by the "
+                   f"policy at the start of the step {block.get('prefetch_depth') or 1} before it, exactly (Axolotl: "
+                   "a background thread, at least that far behind); vLLM's importance-sampling correction is 1 here "
+                   "(the sampler is the trained model) and not applied")
+    elif block.get("use_data_producer"):
+        out.append("trl.use_data_producer: Axolotl's producer protocol without async_prefetch generates in step, "
+                   "as here; no other effect")
     for key in unread:
         why = "read by Axolotl's async GRPO trainer only" if key in UNREAD else "read only with use_vllm: true"
         out.append(f"trl.{key}: {why}, not by the GRPOTrainer Axolotl 0.19 runs; unused here too")
@@ -255,6 +269,11 @@ def notes(d: dict) -> list[str]:
         out.append(f"rl: {d['rl']}: completions are sampled with noise keyed by (seed, round, row, position), so "
                    "every data-parallel layout samples what one process samples (not torch's global generator)")
     return out
+
+
+def reads_generation_kwargs(rl: str, block: dict) -> bool:
+    """Axolotl's EBFT and async GRPO trainers pass trl.generation_kwargs / chat_template_kwargs; its sync GRPO not."""
+    return rl == "ebft" or bool(block.get("async_prefetch") or block.get("use_data_producer"))
 
 
 def batch_problem(cfg, dp: int) -> str | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import copy
 import zlib
 
-from .grpo import ARGS, generation_settings, is_transform, load_function
+from . import grpo_async
+from .grpo import ARGS, generation_settings, is_transform, load_function, reads_generation_kwargs
 
 
 class KeyedSampling:
@@ -72,7 +73,7 @@ def trainer(t, trainer_args: dict, **parts):
 
     block = dict(t.trl or {})
     kwargs = {k: v for k, v in block.items() if k in ARGS and v is not None}
-    if t.rl == "ebft":  # Axolotl's EBFT config also takes these two (generation_kwargs: vLLM's, translated)
+    if reads_generation_kwargs(t.rl, block):  # Axolotl's EBFT / async configs take these (vLLM's, translated)
         settings, stop, _ = generation_settings(block.get("generation_kwargs"))
         kwargs.update({"chat_template_kwargs": block.get("chat_template_kwargs"), "generation_kwargs": settings})
         ends = parts["model"].generation_config.eos_token_id
@@ -95,6 +96,16 @@ def trainer(t, trainer_args: dict, **parts):
 
     class KeyedGRPOTrainer(trl.GRPOTrainer):
         rounds = 0
+        stale = None  # trl.async_prefetch: the weights generation runs with (grpo_async.py)
+
+        def _generate_and_score_completions(self, inputs):
+            if self.stale is None or not self.model.training:
+                return super()._generate_and_score_completions(inputs)
+            with self.stale.swapped():  # sampled, and their old log-probs read, by the policy of an earlier step
+                output = super()._generate_and_score_completions(inputs)
+                if "old_per_token_logps" not in output:
+                    output["old_per_token_logps"] = grpo_async.old_log_probs(self, output)
+            return output
 
         def _generate_single_turn(self, prompt_ids, *args, **kw):
             counts = [len(prompt_ids)]
@@ -119,6 +130,9 @@ def trainer(t, trainer_args: dict, **parts):
             return global_mean_share(self, loss, 1)
 
     trainer = KeyedGRPOTrainer(reward_funcs=funcs, args=args, **parts)
+    if block.get("async_prefetch"):
+        trainer.stale = grpo_async.StaleWeights(trainer, block.get("prefetch_depth") or 1)
+        trainer.add_callback(trainer.stale)
     if t.rl == "ebft":
         reward.trainer = trainer
         if reward.frozen is not None:
