@@ -142,3 +142,27 @@ def _packed_samples(n: int, seq_len: int, stream: list[int], rng: random.Random)
         samples.append({"input_ids": torch.tensor(ids), "labels": torch.tensor(labels),
                         "position_ids": torch.tensor(positions)})
     return samples
+
+
+def write_mamba_ssm(hf_dir: str | Path, out: Path):
+    """A transformers Mamba checkpoint written back in mamba_ssm's format (its config keys, pytorch_model.bin, the
+    embedding under its own name, the vocabulary unpadded), as state-spaces/mamba-* checkpoints are; returns the
+    model it loaded."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    c = model.config
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({  # vocab_size: 3 below the padded size, padded back to it
+        "d_model": c.hidden_size, "n_layer": c.num_hidden_layers, "vocab_size": c.vocab_size - 3,
+        "pad_vocab_size_multiple": 8, "rms_norm": True, "residual_in_fp32": True,
+        "fused_add_norm": True, "tie_embeddings": c.tie_word_embeddings,
+        "ssm_cfg": {"d_state": c.state_size, "d_conv": c.conv_kernel, "expand": c.expand,
+                    "dt_rank": c.time_step_rank, "conv_bias": c.use_conv_bias, "bias": c.use_bias}}))
+    state = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v
+             for k, v in model.state_dict().items()}
+    torch.save(state, out / "pytorch_model.bin")
+    return model

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nd_parallel.testing.models import make_text, save_tiny_model
+from nd_parallel.testing.models import make_text, save_tiny_model, write_mamba_ssm
 from nd_parallel.testing.multimodal import save_tiny_mistral3, save_tiny_vlm, write_images
 from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 39 of the 81 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
+# 40 of the 82 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
 # one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
@@ -36,7 +36,8 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "qwen2_reward_model_fsdp2", "qwen2_prm_lora_ddp", "mistral3_vision_mistral_common",
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
            "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2",
-           "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp", "llama_relora_qlora_ddp"]
+           "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp", "llama_relora_qlora_ddp",
+           "mamba_ssm_alpaca_ddp"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -62,6 +63,7 @@ def _write_workspace(root: Path) -> None:
     for family in FAMILIES:
         save_tiny_model(family, root / "models" / family, seed=1)
         tokenizer.save_pretrained(root / "models" / family)
+    write_mamba_ssm(root / "models" / "mamba", root / "models" / "mamba_ssm")  # mamba_ssm's format, no tokenizer
     (root / "models" / "lfm2" / "chat_template.jinja").unlink(missing_ok=True)  # no template: the fallback applies
     config = json.loads((root / "models" / "lfm2" / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
@@ -363,6 +365,21 @@ def test_relora_run_saves_the_merged_model(runs):
     assert set(merged) == set(before) and "quantization_config" not in json.loads((out / "config.json").read_text())
     assert merged[key].dtype == torch.float16 and not torch.equal(merged[key], before[key].half())
     assert (out / "relora_base" / "step-1" / "done.json").is_file()
+
+
+def test_mamba_ssm_checkpoint_trains_as_the_transformers_port(runs):
+    """model_type: MambaLMHeadModel with a checkpoint in mamba_ssm's format: the parent converted it (the ranks
+    loaded transformers' MambaForCausalLM from the converted folder) and the trained model is saved in that format,
+    its weights moved from the checkpoint's."""
+    root, jobs = runs
+    job = jobs["mamba_ssm_alpaca_ddp"]
+    assert job.train.model_type == "MambaForCausalLM" and job.train.base_model.endswith("mamba-hf")
+    out = Path(job.train.output_dir)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mamba"
+    before = torch.load(root / "models" / "mamba_ssm" / "pytorch_model.bin", weights_only=True)
+    after = saved_tensors(out)
+    key = "backbone.layers.0.mixer.in_proj.weight"
+    assert after[key].shape == before[key].shape and not torch.equal(after[key], before[key])
 
 
 def test_reward_models_train_their_heads(runs):

@@ -192,13 +192,3 @@ def test_pretraining_dataset_alone_is_one_line(tmp_path, data):
         load_train_config(path, environ={})
     message = str(err.value)
     assert "1 setting(s) cannot be used" in message and "pretraining_dataset without max_steps" in message, message
-
-
-def test_mamba_ssm_class_is_refused_with_the_transformers_port(tmp_path, data):
-    """Axolotl's examples/mamba names mamba_ssm's MambaLMHeadModel (CUDA kernels, its own checkpoint format): refused
-    with transformers' MambaForCausalLM as the alternative, which the config stage accepts (and which trains under
-    FSDP2 on 2 CPU ranks: mamba_completion_fsdp2.yml in test_axolotl_configs_train.py)."""
-    with pytest.raises(ConfigError, match=r"model_type='MambaLMHeadModel' is mamba_ssm's class \(CUDA-only kernels.*"
-                                          r"model_type: MambaForCausalLM"):
-        _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], model_type="MambaLMHeadModel")
-    _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], model_type="MambaForCausalLM")

@@ -270,11 +270,34 @@ def check_local_model(cfg: TrainConfig, layout: ParallelismConfig, path) -> None
             raise ConfigError(f"{path}: qat with base_model {source}: {err}") from None
 
 
+def _mamba_ssm(cfg: TrainConfig, workdir: str) -> None:
+    """Axolotl's model_type: MambaLMHeadModel: a mamba_ssm checkpoint (local, or a hub name fetched here) becomes a
+    transformers MambaForCausalLM checkpoint of the same weights (models/mamba_ssm_checkpoint.py)."""
+    from nd_parallel.models import mamba_ssm_checkpoint as mamba
+
+    source = cfg.base_model
+    if not os.path.isdir(source):
+        from huggingface_hub import snapshot_download
+
+        source = snapshot_download(source, allow_patterns=["config.json", "pytorch_model.bin", "*.safetensors"])
+    if mamba.is_mamba_ssm(source):
+        found = mamba.problems(source)
+        if found:
+            raise ConfigError(f"model_type='MambaLMHeadModel' with {cfg.base_model}: {'; '.join(found)}")
+        cfg.base_model = mamba.convert(source, os.path.join(workdir, "mamba-hf"))
+        cfg.notes.append(f"model_type: MambaLMHeadModel: {source} (mamba_ssm's format) trains as transformers' "
+                         f"MambaForCausalLM, the same weights converted to {cfg.base_model}; the run saves "
+                         "transformers' format")
+    cfg.model_type = "MambaForCausalLM"
+
+
 def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, quiet: bool = True):
     """(the ranks' TrainJob, the data.Prepared data) for a loaded config and a resolved layout."""
     from .data import prepare
 
     check_layout_rules(cfg, path)
+    if cfg.model_type == "MambaLMHeadModel":  # mamba_ssm's format -> transformers' MambaForCausalLM, in the parent
+        _mamba_ssm(cfg, workdir)
     if cfg.rl in grpo.RL:
         problem = grpo.batch_problem(cfg, layout.dp_size)  # TRL's rule, raised on the ranks otherwise
         if problem:

@@ -192,10 +192,12 @@ def value_refusals(d: dict) -> list[str]:
     model_type = d.get("model_type")
     causal = model_type in (None, "AutoModelForCausalLM") or str(model_type).endswith("ForCausalLM")
     reward = d.get("reward_model") or d.get("process_reward_model")  # reward.py checks its heads
-    if model_type == "MambaLMHeadModel":  # mamba_ssm's own class (Axolotl's examples/mamba): CUDA kernels
-        out.append("model_type='MambaLMHeadModel' is mamba_ssm's class (CUDA-only kernels, its own checkpoint "
-                   "format); train transformers' port instead: a transformers-format checkpoint (e.g. "
-                   "state-spaces/mamba-2.8b-hf) with model_type: MambaForCausalLM, or model_type left out")
+    if model_type == "MambaLMHeadModel":  # mamba_ssm's class (Axolotl's examples/mamba): transformers' port trains
+        from nd_parallel.models.mamba_ssm_checkpoint import is_mamba_ssm, problems
+
+        source = str(d.get("base_model") or "")
+        if is_mamba_ssm(source):
+            out += [f"model_type='MambaLMHeadModel' with {source}: {why}" for why in problems(source)]
     elif not causal and not is_multimodal_class(model_type) and not reward:  # multimodal.py: needs a processor
         out.append(f"model_type={model_type!r}: only causal LMs train here; use AutoModelForCausalLM")
     return out
