@@ -82,3 +82,15 @@ def old_log_probs(trainer, output: dict) -> torch.Tensor:
         logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask,
                                                                  output["completion_ids"].size(1), batch_size=batch)
     return logps
+
+
+def generate_and_score(trainer, generate, inputs) -> dict:
+    """TRL's ``generate(inputs)`` (generation and scoring) with the stale weights in place in training, the old
+    log-probs added where TRL left them out; as TRL does it elsewhere."""
+    if trainer.stale is None or not trainer.model.training:
+        return generate(inputs)
+    with trainer.stale.swapped():
+        output = generate(inputs)
+        if "old_per_token_logps" not in output:
+            output["old_per_token_logps"] = old_log_probs(trainer, output)
+    return output

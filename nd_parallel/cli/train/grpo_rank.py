@@ -98,14 +98,8 @@ def trainer(t, trainer_args: dict, **parts):
         rounds = 0
         stale = None  # trl.async_prefetch: the weights generation runs with (grpo_async.py)
 
-        def _generate_and_score_completions(self, inputs):
-            if self.stale is None or not self.model.training:
-                return super()._generate_and_score_completions(inputs)
-            with self.stale.swapped():  # sampled, and their old log-probs read, by the policy of an earlier step
-                output = super()._generate_and_score_completions(inputs)
-                if "old_per_token_logps" not in output:
-                    output["old_per_token_logps"] = grpo_async.old_log_probs(self, output)
-            return output
+        def _generate_and_score_completions(self, inputs):  # with trl.async_prefetch: an earlier step's policy
+            return grpo_async.generate_and_score(self, super()._generate_and_score_completions, inputs)
 
         def _generate_single_turn(self, prompt_ids, *args, **kw):
             counts = [len(prompt_ids)]

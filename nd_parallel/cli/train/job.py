@@ -23,7 +23,7 @@ from . import grpo, objective, restarts, sparsity
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
-from .objective import check_llama4_experts
+from .objective import check_dora_layout, check_llama4_experts
 
 if TYPE_CHECKING:
     from nd_parallel.testing.parity import Recipe
@@ -310,6 +310,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     sparsity.check_layout(cfg, layout, path)  # llmcompressor's masks
     check_local_model(cfg, layout, path)
     check_llama4_experts(cfg, cfg.base_model, layout, path)
+    check_dora_layout(cfg, layout, path)
     prepared = prepare(cfg, workdir, dp=layout.dp_size)  # a stream is read for this many dp ranks' batches
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:

@@ -21,9 +21,12 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
+from . import param_groups
+from .param_groups import ParamGroupOptions
+
 
 @dataclass(kw_only=True)
-class ObjectiveOptions:
+class ObjectiveOptions(ParamGroupOptions):
     use_eaft: bool = False
     """Entropy-aware focal training: each label token's loss weighted by its top-eaft_k entropy ** eaft_alpha."""
     eaft_alpha: float = 1.0
@@ -37,6 +40,8 @@ class ObjectiveOptions:
     llama4_linearized_experts: bool = False
     """Llama 4's routed experts as one nn.Linear per expert and projection (nd_parallel/models/llama4_linear.py), so
     that load_in_4bit quantizes them and LoRA can target them (experts.gate_projs.N), Axolotl's meaning."""
+    peft_use_dora: bool = False
+    """DoRA (peft's use_dora): each adapted weight split into a magnitude vector and a direction that LoRA updates."""
     peft: dict | None = None
     """Axolotl's peft block: {loftq_config: {loftq_bits: 4 | 8}} starts LoRA with LoftQ (the base replaced by its
     quantized round trip, the adapter by the SVD of the difference)."""
@@ -69,7 +74,12 @@ def objective_refusals(d: dict) -> list[str]:
         out.append(f"eaft_k={k!r}: write an integer >= 1 (top logits the entropy is taken over; Axolotl's default 20)")
     if d.get("use_eaft") is True:
         out += _eaft_combinations(d)
-    out += _onebitllms(d) + _peft(d) + _qat(d)
+    out += _onebitllms(d) + _peft(d) + _qat(d) + param_groups.refusals(d)
+    if d.get("peft_use_dora") not in (None, True, False):
+        out.append(f"peft_use_dora={d['peft_use_dora']!r}; use true or false")
+    elif d.get("peft_use_dora") and d.get("relora"):
+        out.append("peft_use_dora with relora: a restart merges plain LoRA deltas (B @ A); DoRA's magnitude vector "
+                   "has no merge there; drop one")
     if d.get("llama4_linearized_experts") not in (None, True, False):
         out.append(f"llama4_linearized_experts={d['llama4_linearized_experts']!r}; use true or false")
     out += _best_checkpoint(d)
@@ -202,13 +212,15 @@ def _peft(d: dict) -> list[str]:
 
 
 def adapter_kwargs(t: ObjectiveOptions) -> dict:
-    """LoraConfig arguments for ``peft``: LoftQ's initialization (peft's LoftQConfig; loftq_iter 1, as Axolotl)."""
+    """LoraConfig arguments for ``peft``: DoRA, LoftQ's initialization (peft's LoftQConfig; loftq_iter 1, as
+    Axolotl)."""
+    out = {"use_dora": True} if t.peft_use_dora else {}
     loftq = (t.peft or {}).get("loftq_config")
     if loftq is None:
-        return {}
+        return out
     from peft import LoftQConfig
 
-    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(loftq_bits=loftq.get("loftq_bits", 4))}
+    return {**out, "init_lora_weights": "loftq", "loftq_config": LoftQConfig(loftq_bits=loftq.get("loftq_bits", 4))}
 
 
 def _config_class(name: Any):
@@ -302,3 +314,11 @@ def check_llama4_experts(t: ObjectiveOptions, source: str, layout, path) -> None
         raise ConfigError(f"{path}: llama4_linearized_experts with {', '.join(f'{k}={v}' for k, v in split.items())}: "
                           "the per-expert Linears have no tensor- or expert-parallel plan; use dp_shard_size, "
                           "pipeline_parallel_size or context_parallel_size")
+
+
+def check_dora_layout(t: ObjectiveOptions, layout, path) -> None:
+    """DoRA's magnitude is the norm of each whole adapted weight: tensor parallelism holds slices of it."""
+    if t.peft_use_dora and layout.tp_size > 1:
+        raise ConfigError(f"{path}: peft_use_dora with tensor_parallel_size={layout.tp_size}: DoRA normalizes each "
+                          "whole adapted weight, which TP splits; use dp_shard_size / dp_replicate_size / "
+                          "pipeline_parallel_size / context_parallel_size, or plain LoRA under TP")

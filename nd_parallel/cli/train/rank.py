@@ -23,7 +23,7 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import diffusion, grpo, grpo_rank, lm_eval, objective, prequantized, restarts, sparsity
+from . import diffusion, grpo, grpo_rank, lm_eval, objective, param_groups, prequantized, restarts, sparsity
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -103,6 +103,8 @@ def _adjust(trainer, t: TrainConfig, dp: int) -> None:
 
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
         use_muon(trainer, t)
+    if param_groups.used(t):  # LoRA+, embedding_lr(_scale), lr_groups (param_groups.py)
+        param_groups.use_param_groups(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         use_quadratic_warmup(trainer)
     if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)

@@ -1,0 +1,83 @@
+"""DoRA (`peft_use_dora`), LoRA+ (`loraplus_lr_ratio` / `loraplus_lr_embedding`) and Axolotl's optimizer groups
+(`embedding_lr_scale`, `lr_groups`) through `nd-parallel train`: FSDP2 and DDP equal one process on the global batch
+(every loss, every saved tensor), and each feature changes the run (the same YAML without it, in one process, ends
+elsewhere).
+
+Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding too (its own rate); full fine-tuning
+with the embeddings at half the rate and the attention projections in a group of their own (weight decay 0.1).
+Tolerance: only fp32 reduction order differs: loss rtol 1e-5, saved tensors atol 1e-5 (AdamW, epsilon 1e-6).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.train_yaml_helpers import (
+    compare_runs,
+    jobs_for,
+    run_jobs,
+    saved_tensors,
+    write_model_and_data,
+    write_yaml,
+)
+
+BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, learning_rate=2e-3, lr_scheduler="linear",
+            seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=64, val_set_size=0.0, weight_decay=0.1)
+LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.0)
+ROWS = {  # name: (the row's keys, the keys that turn its feature off)
+    "dora": ({**LORA, "lora_target_linear": True, "peft_use_dora": True}, {"peft_use_dora": None}),
+    "loraplus": ({**LORA, "lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "loraplus_lr_ratio": 16,
+                  "loraplus_lr_embedding": 1e-4}, {"loraplus_lr_ratio": None, "loraplus_lr_embedding": None}),
+    "groups": ({"embedding_lr_scale": 0.5, "lr_groups": [{"name": "attention", "modules": ["self_attn"],
+                                                           "lr": 5e-4}]}, {"embedding_lr_scale": None,
+                                                                           "lr_groups": None}),
+}
+LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ddp": {"dp_replicate_size": 2}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_variants")
+    data = write_model_and_data(root, n=48)
+    refs, parallel = [], []
+    for row, (keys, off) in ROWS.items():
+        shared = {**BASE, **keys, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
+                  "datasets": [{"path": data["text"], "type": "completion"}]}
+        parallel += [write_yaml(root / f"{row}_{name}.yaml", {**shared, **sizes, "output_dir": str(root / f"{row}_"
+                                                                                                   f"{name}")})
+                     for name, sizes in LAYOUTS.items()]
+        refs.append(write_yaml(root / f"{row}_ref.yaml", {**shared, "micro_batch_size": 4,
+                                                          "output_dir": str(root / f"{row}_ref")}))
+        plain = {k: v for k, v in {**shared, **off, "micro_batch_size": 4}.items() if v is not None}
+        refs.append(write_yaml(root / f"{row}_plain.yaml", {**plain, "output_dir": str(root / f"{row}_plain")}))
+    run_jobs(jobs_for(refs, root, 1), root, 1)
+    run_jobs(jobs_for(parallel, root, 2), root, 2)
+    return root
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_variant_matches_one_process(runs, row, layout):
+    compare_runs(runs / f"{row}_{layout}", runs / f"{row}_ref", rtol=1e-5, atol=1e-5, label=f"{row} {layout}")
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_the_feature_changes_the_run(runs, row):
+    """Not a vacuous row: the same run without the feature saves other tensors (DoRA: magnitude vectors too)."""
+    got, plain = saved_tensors(runs / f"{row}_ref"), saved_tensors(runs / f"{row}_plain")
+    if row == "dora":
+        assert any("lora_magnitude_vector" in k for k in got) and not any("magnitude" in k for k in plain)
+        config = json.loads((runs / f"{row}_ref" / "adapter_config.json").read_text())
+        assert config["use_dora"] is True
+        return
+    shared = set(got) & set(plain)
+    assert shared and max((got[k] - plain[k]).abs().max().item() for k in shared) > 1e-4
+
+
+def test_loraplus_steps_b_faster_than_a(runs):
+    """LoRA+ at ratio 16: after the same steps the B factors moved further from 0 relative to plain LoRA."""
+    got, plain = saved_tensors(runs / "loraplus_ref"), saved_tensors(runs / "loraplus_plain")
+    bs = [k for k in got if "lora_B" in k and "embed" not in k]
+    ratio = torch.tensor([got[k].norm() / plain[k].norm() for k in bs])
+    assert bs and (ratio > 4).all(), ratio
