@@ -1,9 +1,11 @@
-"""DoRA (`peft_use_dora`), LoRA+ (`loraplus_lr_ratio` / `loraplus_lr_embedding`) and Axolotl's optimizer groups
-(`embedding_lr_scale`, `lr_groups`) through `nd-parallel train`: FSDP2 and DDP equal one process on the global batch
+"""DoRA (`peft_use_dora`), LoRA+ (`loraplus_lr_ratio` / `loraplus_lr_embedding`), peft's per-module ranks and layer
+selection (`lora_rank_pattern`, `lora_alpha_pattern`, `peft_layers_to_transform`, `peft_layers_pattern`, with
+`lr_scheduler_kwargs`) and Axolotl's optimizer groups (`embedding_lr_scale`, `lr_groups`) through `nd-parallel train`: FSDP2 and DDP equal one process on the global batch
 (every loss, every saved tensor), and each feature changes the run (the same YAML without it, in one process, ends
 elsewhere).
 
-Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding too (its own rate); full fine-tuning
+Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding too (its own rate); LoRA on layer 1
+only with rank 8 / alpha 32 on q_proj and a one-cycle cosine (num_cycles 1.0); full fine-tuning
 with the embeddings at half the rate and the attention projections in a group of their own (weight decay 0.1).
 Tolerance: only fp32 reduction order differs: loss rtol 1e-5, saved tensors atol 1e-5 (AdamW, epsilon 1e-6).
 """
@@ -29,6 +31,10 @@ ROWS = {  # name: (the row's keys, the keys that turn its feature off)
     "dora": ({**LORA, "lora_target_linear": True, "peft_use_dora": True}, {"peft_use_dora": None}),
     "loraplus": ({**LORA, "lora_target_modules": ["q_proj", "v_proj", "embed_tokens"], "loraplus_lr_ratio": 16,
                   "loraplus_lr_embedding": 1e-4}, {"loraplus_lr_ratio": None, "loraplus_lr_embedding": None}),
+    "patterns": ({**LORA, "lora_target_linear": True, "lora_rank_pattern": {"q_proj": 8}, "lora_alpha_pattern": {
+        "q_proj": 32}, "peft_layers_to_transform": [1], "peft_layers_pattern": "layers", "lr_scheduler": "cosine",
+        "lr_scheduler_kwargs": {"num_cycles": 1.0}}, {"lora_rank_pattern": None, "lora_alpha_pattern": None,
+                                                      "peft_layers_to_transform": None, "peft_layers_pattern": None}),
     "groups": ({"embedding_lr_scale": 0.5, "lr_groups": [{"name": "attention", "modules": ["self_attn"],
                                                            "lr": 5e-4}]}, {"embedding_lr_scale": None,
                                                                            "lr_groups": None}),
@@ -66,6 +72,10 @@ def test_the_variant_matches_one_process(runs, row, layout):
 def test_the_feature_changes_the_run(runs, row):
     """Not a vacuous row: the same run without the feature saves other tensors (DoRA: magnitude vectors too)."""
     got, plain = saved_tensors(runs / f"{row}_ref"), saved_tensors(runs / f"{row}_plain")
+    if row == "patterns":  # LoRA on layer 1 only, rank 8 on q_proj
+        assert not any(".layers.0." in k for k in got) and any(".layers.0." in k for k in plain)
+        assert {v.shape[0] for k, v in got.items() if "q_proj.lora_A" in k} == {8}
+        return
     if row == "dora":
         assert any("lora_magnitude_vector" in k for k in got) and not any("magnitude" in k for k in plain)
         config = json.loads((runs / f"{row}_ref" / "adapter_config.json").read_text())

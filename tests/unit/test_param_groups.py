@@ -57,3 +57,37 @@ def test_loraplus_is_peft_helper_with_the_trainers_optimizer():
     assert {r for n, r in rates.items() if "q_proj.lora_A" in n} == {1e-3}
     assert {r for n, r in rates.items() if "q_proj.lora_B" in n} == {16e-3}
     assert {r for n, r in rates.items() if "embed_tokens" in n} == {1e-4}
+
+
+def test_schema_keys_are_read_or_accepted_with_their_meaning(tmp_path):
+    """Keys of Axolotl's schema that were refused as not implemented: peft's patterns and init, Axolotl's aliases,
+    the scheduler's and optimizer's extra arguments act; housekeeping keys are accepted; an evaluation-only key is
+    accepted with a line; an init that rewrites the base weights is refused with the alternative."""
+    import json
+
+    import pytest
+
+    from nd_parallel.cli.train.config import load_train_config
+    from nd_parallel.cli.train.job import trainer_arguments
+    from nd_parallel.cli.train.objective import adapter_kwargs
+    from nd_parallel.config import ConfigError
+
+    base = {"base_model": "./m", "datasets": [{"path": "d.jsonl", "type": "completion"}], "adapter": "lora"}
+    keys = {"lora_rank_pattern": {"q_proj": 8}, "lora_alpha_pattern": {"q_proj": 32}, "peft_layers_to_transform": [1],
+            "peft_layers_pattern": "layers", "peft_init_lora_weights": "gaussian", "model_revision": "main",
+            "lr_scheduler_kwargs": {"num_cycles": 1.0}, "optim_args": {"foo": 1, "bar": "x"}, "gc_collect_steps": 10,
+            "gradio_title": "t", "world_size": 8, "do_bench_eval": True, "dpo_beta": 0.1,
+            "cosine_min_lr_ratio": 0.1}
+    (tmp_path / "c.yml").write_text(json.dumps({**base, **keys}))
+    cfg = load_train_config(tmp_path / "c.yml", environ={})
+    assert cfg.revision_of_model == "main"
+    assert adapter_kwargs(cfg) == {"layers_to_transform": [1], "layers_pattern": "layers", "rank_pattern":
+                                   {"q_proj": 8}, "alpha_pattern": {"q_proj": 32}, "init_lora_weights": "gaussian"}
+    args = trainer_arguments(cfg, "c", 100, 0, 1)
+    assert args["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1, "num_cycles": 1.0} and args["optim_args"] == "foo=1,bar=x"
+    notes = "\n".join(cfg.notes)
+    assert "multiple-choice benchmark" in notes and "dpo_beta: deprecated" in notes, notes
+    (tmp_path / "c.yml").write_text(json.dumps({**base, "peft_init_lora_weights": "pissa", "lora_rank_pattern": 8}))
+    with pytest.raises(ConfigError) as err:
+        load_train_config(tmp_path / "c.yml", environ={})
+    assert "peft_init_lora_weights='pissa'" in str(err.value) and "lora_rank_pattern=8" in str(err.value)

@@ -248,7 +248,7 @@ def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], li
         key = str(key)
         if key in known:
             ours[key] = value
-        elif is_logging(key):
+        elif is_logging(key) or key in UNREAD:  # UNREAD: each printed with its line (keys.py)
             unused.append(key)
         elif key in REFUSED:
             if is_default(key, value, AXOLOTL_DEFAULTS):
@@ -261,7 +261,7 @@ def _sort_keys(path, data: dict, plugin_keys: dict) -> tuple[dict, list[str], li
             else:
                 refused.append(f"{key}={value!r}: not implemented by nd-parallel train; drop it, or run the YAML "
                                "with Axolotl and the nd_parallel plugin (docs/axolotl.md)")
-        elif value is None or key in UNREAD:  # a key Axolotl 0.19 does not have, left empty or dropped by it too
+        elif value is None:  # a key Axolotl 0.19 does not have, left empty
             unused.append(key)
         else:
             owner = next((p for p, keys in equivalents.PLUGINS.items() if key in keys), None)

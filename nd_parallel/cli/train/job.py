@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import grpo, objective, restarts, sparsity
+from . import grpo, objective, param_groups, restarts, sparsity
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -176,7 +176,8 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         if getattr(cfg, key) is not None:
             args[key] = getattr(cfg, key)
-    return {**args, **scheduler_args(cfg)}  # cosine_min_lr_ratio (extras.py)
+    scheduler = scheduler_args(cfg)  # cosine_min_lr_ratio (extras.py)
+    return {**args, **scheduler, **param_groups.trainer_args(cfg, scheduler)}  # lr_scheduler_kwargs, optim_args
 
 
 def check_layout_rules(cfg: TrainConfig, path) -> None:

@@ -28,7 +28,7 @@ BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_ada
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 
-LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_")
+LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_", "gradio_")
 LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_metrics", "use_swanlab", "strict",
            "push_dataset_to_hub", "hf_use_auth_token", "debug", "is_preprocess", "eval_table_size", "ray_run_name",
            "include_tokens_per_second", "include_tkps", "profiler_steps", "logging_dir",
@@ -38,6 +38,13 @@ LOGGING = {"use_wandb", "use_mlflow", "use_comet", "use_tensorboard", "use_otel_
            "experimental_skip_move_to_device", "sdp_attention", "plugins", "ddp_timeout", "save_first_step",
            "skip_prepare_dataset", "tokenizer_use_fast", "tokenizer_legacy", "gc_steps",
            "dataset_keep_in_memory", "shuffle_before_merging_datasets",
+           # housekeeping, device placement and statistics Axolotl computes itself (world_size, ddp and device are
+           # overwritten from the launcher's environment there): nothing that trains changes
+           "use_trackio", "hf_mlflow_log_artifacts", "profiler_steps_start", "gc_collect_steps",
+           "torch_empty_cache_steps", "sample_packing_mp_start_method", "axolotl_config_path", "total_num_tokens",
+           "total_supervised_tokens", "num_dataset_shards_to_save", "preprocess_iterable", "is_falcon_derived_model",
+           "is_llama_derived_model", "is_mistral_derived_model", "is_qwen_derived_model", "max_memory",
+           "gpu_memory_limit", "ddp", "world_size", "device",
            # placement and DDP tuning without numeric effect here (nd_parallel places by rank and builds its own DDP)
            "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "low_cpu_mem_usage",
            "device_map", "flex_attn_compile_kwargs",
@@ -91,7 +98,16 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
                      "cosine_min_lr_ratio: <eta_min / learning_rate>",
           "adam_eps": "not an Axolotl key: Axolotl drops it and AdamW keeps the Trainer's epsilon 1e-8, as here; for "
                       "another epsilon write adam_epsilon: <value>",
-          "test_value": "not an Axolotl key (no Axolotl code reads it): Axolotl drops it, and it changes nothing here"}
+          "test_value": "not an Axolotl key (no Axolotl code reads it): Axolotl drops it, and it changes nothing here",
+          # in Axolotl's schema, read by none of its 0.19 code
+          "dpo_beta": "deprecated: Axolotl 0.19 warns and reads rl_beta instead, as here; write rl_beta",
+          "lr_div_factor": "in Axolotl's schema, read by none of its 0.19 code (its one_cycle schedule is not built)",
+          "max_prompt_len": "in Axolotl's schema, read by none of its 0.19 code",
+          "ple_cpu_offload": "in Axolotl's schema, read by none of its 0.19 code",
+          # an evaluation, not training
+          "do_bench_eval": "Axolotl's multiple-choice benchmark at each evaluation is not run here (training is the "
+                           "same); evaluate the saved model afterwards",
+          "bench_dataset": "belongs to do_bench_eval (not run here)", "bench_split": "belongs to do_bench_eval"}
 
 
 def is_logging(key: str) -> bool:

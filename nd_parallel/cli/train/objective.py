@@ -40,6 +40,19 @@ class ObjectiveOptions(ParamGroupOptions):
     llama4_linearized_experts: bool = False
     """Llama 4's routed experts as one nn.Linear per expert and projection (nd_parallel/models/llama4_linear.py), so
     that load_in_4bit quantizes them and LoRA can target them (experts.gate_projs.N), Axolotl's meaning."""
+    model_revision: str | None = None
+    """Axolotl's alias of revision_of_model (read as it when that is not set)."""
+    peft_layers_to_transform: int | list[int] | None = None
+    """LoRA on these decoder-layer indices only (peft's layers_to_transform)."""
+    peft_layers_pattern: str | list[str] | None = None
+    """The name of the layer list layers_to_transform counts in (peft's layers_pattern, e.g. layers)."""
+    lora_rank_pattern: dict | None = None
+    """Module-name pattern -> rank, overriding lora_r there (peft's rank_pattern)."""
+    lora_alpha_pattern: dict | None = None
+    """Module-name pattern -> alpha, overriding lora_alpha there (peft's alpha_pattern)."""
+    peft_init_lora_weights: bool | str | None = None
+    """How LoRA starts (peft's init_lora_weights): true (A Kaiming, B 0), false (both random: not an identity
+    start), or gaussian."""
     peft_use_dora: bool = False
     """DoRA (peft's use_dora): each adapted weight split into a magnitude vector and a direction that LoRA updates."""
     peft: dict | None = None
@@ -62,9 +75,11 @@ class ObjectiveOptions(ParamGroupOptions):
 def objective_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping ``d`` (in place: evaluation_strategy becomes eval_strategy)."""
     out = []
-    old = d.pop("evaluation_strategy", None)
-    if old is not None and d.get("eval_strategy") is None:
-        d["eval_strategy"] = old
+    for alias, key in (("evaluation_strategy", "eval_strategy"), ("model_revision", "revision_of_model")):
+        old = d.pop(alias, None)  # Axolotl's other names
+        if old is not None and d.get(key) is None:
+            d[key] = old
+    out += _lora_patterns(d)
     if d.get("use_eaft") is not None and not isinstance(d["use_eaft"], bool):
         out.append(f"use_eaft={d['use_eaft']!r}; use true or false")
     alpha, k = d.get("eaft_alpha"), d.get("eaft_k")
@@ -215,6 +230,11 @@ def adapter_kwargs(t: ObjectiveOptions) -> dict:
     """LoraConfig arguments for ``peft``: DoRA, LoftQ's initialization (peft's LoftQConfig; loftq_iter 1, as
     Axolotl)."""
     out = {"use_dora": True} if t.peft_use_dora else {}
+    for key, name in (("peft_layers_to_transform", "layers_to_transform"), ("peft_layers_pattern", "layers_pattern"),
+                      ("lora_rank_pattern", "rank_pattern"), ("lora_alpha_pattern", "alpha_pattern"),
+                      ("peft_init_lora_weights", "init_lora_weights")):
+        if getattr(t, key) is not None:
+            out[name] = getattr(t, key)
     loftq = (t.peft or {}).get("loftq_config")
     if loftq is None:
         return out
@@ -314,6 +334,25 @@ def check_llama4_experts(t: ObjectiveOptions, source: str, layout, path) -> None
         raise ConfigError(f"{path}: llama4_linearized_experts with {', '.join(f'{k}={v}' for k, v in split.items())}: "
                           "the per-expert Linears have no tensor- or expert-parallel plan; use dp_shard_size, "
                           "pipeline_parallel_size or context_parallel_size")
+
+
+def _lora_patterns(d: dict) -> list[str]:
+    out = []
+    layers = d.get("peft_layers_to_transform")
+    if layers is not None and not (isinstance(layers, int) and not isinstance(layers, bool) or isinstance(
+            layers, list) and layers and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)):
+        out.append(f"peft_layers_to_transform={layers!r}: write a layer index or a list of them")
+    for key in ("lora_rank_pattern", "lora_alpha_pattern"):
+        value = d.get(key)
+        if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) and isinstance(
+                v, (int, float)) and not isinstance(v, bool) and v > 0 for k, v in value.items())):
+            out.append(f"{key}={value!r}: write a mapping of module-name patterns to numbers > 0")
+    init = d.get("peft_init_lora_weights")
+    if init is not None and init not in (True, False, "gaussian"):
+        out.append(f"peft_init_lora_weights={init!r}: true, false or gaussian start the adapter here; {init!r} "
+                   "(PiSSA / OLoRA / EVA / CorDA) rewrites the base weights or reads data before training: use "
+                   "LoftQ (peft: {loftq_config: ...}) or drop it")
+    return out
 
 
 def check_dora_layout(t: ObjectiveOptions, layout, path) -> None:

@@ -9,7 +9,9 @@
 - ``lr_groups: [{name, modules, lr}]``: decayed parameters whose name contains one of a group's ``modules`` at that
   group's ``lr``.
 
-With any of the last three, the groups are Axolotl's: decayed parameters (transformers' rule: not norms, not biases)
+``lr_scheduler_kwargs`` and ``optim_args`` reach TrainingArguments as Axolotl passes them.
+
+With any of embedding_lr_scale / embedding_lr / lr_groups, the groups are Axolotl's: decayed parameters (transformers' rule: not norms, not biases)
 with ``weight_decay``, embeddings, then the undecayed, then each lr group. The learning-rate schedule scales each
 group's rate. Under a layout the groups are built from the prepared model's parameters (FSDP2 / TP DTensors, a PP
 stage's own layers): a name keeps its module path (PP adds a ``stages.N.`` prefix, which the substring rules ignore).
@@ -36,6 +38,23 @@ class ParamGroupOptions:
     """embed_tokens / lm_head at learning_rate x this (wins over embedding_lr, as in Axolotl)."""
     lr_groups: list[dict] | None = None
     """[{name, modules: [substrings of parameter names], lr}]: decayed parameters at their group's rate."""
+    lr_scheduler_kwargs: dict | None = None
+    """Keyword arguments of the learning-rate schedule (TrainingArguments.lr_scheduler_kwargs, as Axolotl passes
+    them; e.g. num_cycles for cosine)."""
+    optim_args: str | dict | None = None
+    """Extra optimizer arguments, "k=v,k=v" or a mapping (TrainingArguments.optim_args, as Axolotl passes them)."""
+
+
+def trainer_args(t: ParamGroupOptions, scheduler: dict) -> dict:
+    """TrainingArguments for lr_scheduler_kwargs (merged over ``scheduler``'s, e.g. the cosine floor's min_lr_rate)
+    and optim_args (a mapping written "k=v,..." as Axolotl writes it)."""
+    out = {}
+    if t.lr_scheduler_kwargs:
+        out["lr_scheduler_kwargs"] = {**scheduler.get("lr_scheduler_kwargs", {}), **t.lr_scheduler_kwargs}
+    if t.optim_args:
+        args = t.optim_args
+        out["optim_args"] = ",".join(f"{k}={v}" for k, v in args.items()) if isinstance(args, dict) else args
+    return out
 
 
 def _positive(value: Any) -> bool:
@@ -59,6 +78,9 @@ def refusals(d: dict) -> list[str]:
         if isinstance(group, dict) and "lr" in group:
             group["lr"] = _float(group["lr"])
     out = [f"{k}={d[k]!r}: write a number > 0" for k in KEYS[:4] if d.get(k) is not None and not _positive(d[k])]
+    for key, kinds in (("lr_scheduler_kwargs", dict), ("optim_args", (str, dict))):
+        if d.get(key) is not None and not isinstance(d[key], kinds):
+            out.append(f"{key}={d[key]!r}: write a mapping" + (" or 'k=v,k=v'" if key == "optim_args" else ""))
     groups = d.get("lr_groups")
     if groups is not None:
         ok = isinstance(groups, list) and all(
