@@ -1,8 +1,8 @@
 """DoRA (`peft_use_dora`), LoRA+ (`loraplus_lr_ratio` / `loraplus_lr_embedding`), peft's per-module ranks and layer
 selection (`lora_rank_pattern`, `lora_alpha_pattern`, `peft_layers_to_transform`, `peft_layers_pattern`, with
-`lr_scheduler_kwargs`) and Axolotl's optimizer groups (`embedding_lr_scale`, `lr_groups`) through `nd-parallel train`: FSDP2 and DDP equal one process on the global batch
-(every loss, every saved tensor), and each feature changes the run (the same YAML without it, in one process, ends
-elsewhere).
+`lr_scheduler_kwargs`) and Axolotl's optimizer groups (`embedding_lr_scale`, `lr_groups`) through `nd-parallel
+train`: FSDP2 and DDP equal one process on the global batch (every loss, every saved tensor), and each feature
+changes the run (the same YAML without it, in one process, ends elsewhere).
 
 Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding too (its own rate); LoRA on layer 1
 only with rank 8 / alpha 32 on q_proj and a one-cycle cosine (num_cycles 1.0); full fine-tuning

@@ -84,7 +84,8 @@ def test_schema_keys_are_read_or_accepted_with_their_meaning(tmp_path):
     assert adapter_kwargs(cfg) == {"layers_to_transform": [1], "layers_pattern": "layers", "rank_pattern":
                                    {"q_proj": 8}, "alpha_pattern": {"q_proj": 32}, "init_lora_weights": "gaussian"}
     args = trainer_arguments(cfg, "c", 100, 0, 1)
-    assert args["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1, "num_cycles": 1.0} and args["optim_args"] == "foo=1,bar=x"
+    assert args["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1, "num_cycles": 1.0}
+    assert args["optim_args"] == "foo=1,bar=x"
     notes = "\n".join(cfg.notes)
     assert "multiple-choice benchmark" in notes and "dpo_beta: deprecated" in notes, notes
     (tmp_path / "c.yml").write_text(json.dumps({**base, "peft_init_lora_weights": "pissa", "lora_rank_pattern": 8}))

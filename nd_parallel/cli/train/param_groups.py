@@ -11,10 +11,11 @@
 
 ``lr_scheduler_kwargs`` and ``optim_args`` reach TrainingArguments as Axolotl passes them.
 
-With any of embedding_lr_scale / embedding_lr / lr_groups, the groups are Axolotl's: decayed parameters (transformers' rule: not norms, not biases)
-with ``weight_decay``, embeddings, then the undecayed, then each lr group. The learning-rate schedule scales each
-group's rate. Under a layout the groups are built from the prepared model's parameters (FSDP2 / TP DTensors, a PP
-stage's own layers): a name keeps its module path (PP adds a ``stages.N.`` prefix, which the substring rules ignore).
+With any of embedding_lr_scale / embedding_lr / lr_groups, the groups are Axolotl's: decayed parameters
+(transformers' rule: not norms, not biases) with ``weight_decay``, embeddings, then the undecayed, then each lr
+group. The learning-rate schedule scales each group's rate. Under a layout the groups are built from the prepared
+model's parameters (FSDP2 / TP DTensors, a PP stage's own layers): a name keeps its module path (PP adds a
+``stages.N.`` prefix, which the substring rules ignore).
 """
 
 from __future__ import annotations
