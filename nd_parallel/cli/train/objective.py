@@ -146,11 +146,19 @@ def best_args(t: ObjectiveOptions) -> dict[str, Any]:
 
 
 def objective_notes(d: dict) -> list[str]:
-    """The line printed when EAFT is on: its memory cost (the full logits of each micro-batch are held)."""
-    if d.get("use_eaft") is not True:
-        return []
-    return ["use_eaft: each token's loss is weighted by its top-k entropy, computed from the full logits: the "
-            "chunked loss (loss_chunk_size) stands aside and each micro-batch's [tokens, vocab] logits are held"]
+    """Lines for EAFT's memory cost (the full logits of each micro-batch are held) and Liger's DPO kernel."""
+    out = []
+    if d.get("use_eaft") is True:
+        out.append("use_eaft: each token's loss is weighted by its top-k entropy, computed from the full logits: the "
+                   "chunked loss (loss_chunk_size) stands aside and each micro-batch's [tokens, vocab] logits are "
+                   "held")
+    types = d.get("dpo_loss_type")
+    if "sft" in ([types] if isinstance(types, str) else types or []):
+        out.append("dpo_loss_type sft: TRL averages the SFT term over each micro-batch's chosen tokens, so with "
+                   "data parallelism it weighs each rank's tokens apart (the other DPO losses are per pair)")
+    if d.get("dpo_use_liger_kernel"):
+        out.append("dpo_use_liger_kernel: Liger's fused DPO loss is a Triton kernel; the same loss runs without it")
+    return out
 
 
 def _eaft_combinations(d: dict) -> list[str]:

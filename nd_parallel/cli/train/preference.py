@@ -43,6 +43,16 @@ class PreferenceOptions:
     """rl: kto: weight of the undesirable examples' losses (default 1.0)."""
     orpo_alpha: float | None = None
     """rl: orpo: the weight of the odds-ratio term (TRL's beta; rl_beta wins where both are set; default 0.1)."""
+    dpo_loss_type: str | list[str] | None = None
+    """rl: dpo: DPOConfig's loss_type (sigmoid, hinge, ipo, robust, sft, ... or a list combined by dpo_loss_weights)."""
+    dpo_loss_weights: list[float] | None = None
+    """rl: dpo: one weight per dpo_loss_type (DPOConfig's loss_weights)."""
+    dpo_label_smoothing: float | None = None
+    """rl: dpo: DPOConfig's label_smoothing (robust / conservative DPO), in [0, 0.5)."""
+    dpo_use_weighting: bool | None = None
+    """rl: dpo / ipo: DPOConfig's use_weighting (WPO's per-pair weights)."""
+    dpo_use_liger_kernel: bool | None = None
+    """Liger's fused DPO loss (a Triton kernel): the same loss runs without it here (one line)."""
 
 
 def _positive(d: dict, key: str, default: str) -> list[str]:
@@ -89,6 +99,62 @@ def _orpo_refusals(d: dict, rl: str) -> list[str]:
     return []
 
 
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # TRL's DPOConfig
+
+
+def _dpo_refusals(d: dict, rl: str) -> list[str]:
+    """Axolotl's dpo_* keys (its DPOStrategy): loss types and weights, label smoothing for rl: dpo only."""
+    if isinstance(d.get("dpo_label_smoothing"), str):  # PyYAML reads 1e-2 as a string; Axolotl takes the number
+        d["dpo_label_smoothing"] = _number(d["dpo_label_smoothing"])
+    used = [k for k in ("dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing", "dpo_use_weighting",
+                        "dpo_use_liger_kernel") if d.get(k) is not None]
+    if used and rl not in ("dpo", "ipo"):
+        return [f"{k} with rl: {rl}: a DPOTrainer setting; drop it or set rl: dpo" for k in used]
+    out = []
+    types = d.get("dpo_loss_type")
+    listed = [types] if isinstance(types, str) else types
+    if types is not None and not (isinstance(listed, list) and listed and all(t in DPO_LOSSES for t in listed)):
+        out.append(f"dpo_loss_type={types!r}: use one of {', '.join(DPO_LOSSES)} (or a list of them)")
+    weights = d.get("dpo_loss_weights")
+    if weights is not None and (not isinstance(weights, list) or len(weights) != len(listed or ["sigmoid"]) or not
+                                all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)):
+        out.append(f"dpo_loss_weights={weights!r}: write one number per dpo_loss_type ({len(listed or [1])})")
+    smoothing = d.get("dpo_label_smoothing")
+    if smoothing is not None and (isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or
+                                  not 0 <= smoothing < 0.5):
+        out.append(f"dpo_label_smoothing={smoothing!r}: write a number in [0, 0.5)")
+    others = [t for t in listed or [] if t != "sigmoid"]
+    if d.get("dpo_use_weighting") and others:  # TRL 1.16 raises on it (found here): sft, hinge, ...
+        out.append(f"dpo_use_weighting with dpo_loss_type {others}: TRL's DPOTrainer multiplies the per-pair loss by "
+                   "the WPO weights in place, which breaks the backward (or the expanded tensor) of those losses; use "
+                   "it with the sigmoid loss, or drop it")
+    if rl == "ipo" and (types is not None or smoothing):  # Axolotl: ipo's loss is ipo, without smoothing
+        out.append("dpo_loss_type / dpo_label_smoothing with rl: ipo: IPO's loss is fixed; set rl: dpo to choose it")
+    return out
+
+
+def _number(value: str):
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def dpo_args(t) -> dict:
+    """DPOConfig arguments of Axolotl's dpo_* keys (its DPOStrategy.set_training_args_kwargs)."""
+    out = {"loss_type": LOSSES[t.rl]}
+    if t.rl == "dpo" and t.dpo_loss_type is not None:
+        out["loss_type"] = [t.dpo_loss_type] if isinstance(t.dpo_loss_type, str) else list(t.dpo_loss_type)
+    if t.rl == "dpo" and t.dpo_loss_weights is not None:
+        out["loss_weights"] = [float(w) for w in t.dpo_loss_weights]
+    if t.rl == "dpo" and t.dpo_label_smoothing:
+        out["label_smoothing"] = float(t.dpo_label_smoothing)
+    if t.dpo_use_weighting is not None:
+        out["use_weighting"] = bool(t.dpo_use_weighting)
+    return out
+
+
 def rl_refusals(d: dict, layout, path) -> list[str]:
     """Refusal lines for ``rl`` and what it cannot combine with, in the config stage."""
     rl = d.get("rl")
@@ -103,6 +169,7 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
                       "orpo (TRL's ORPOTrainer), grpo, gdpo and ebft (TRL's GRPOTrainer); for Axolotl's other RL "
                       "trainers " + _AXOLOTL_ONLY]
     out += _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
+    out += _dpo_refusals(d, rl)
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
                                                                                "default 1.0")
@@ -143,4 +210,4 @@ def preference_trainer(t, trainer_args: dict, **kwargs):
         args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
                              undesirable_weight=float(t.kto_undesirable_weight or 1.0))
         return trl.KTOTrainer(args=args, **kwargs)
-    return trl.DPOTrainer(args=trl.DPOConfig(**common, loss_type=LOSSES[t.rl]), **kwargs)
+    return trl.DPOTrainer(args=trl.DPOConfig(**common, **dpo_args(t)), **kwargs)
