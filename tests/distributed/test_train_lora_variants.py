@@ -5,7 +5,9 @@ train`: FSDP2 and DDP equal one process on the global batch (every loss, every s
 changes the run (the same YAML without it, in one process, ends elsewhere).
 
 Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding too (its own rate); LoRA on layer 1
-only with rank 8 / alpha 32 on q_proj and a one-cycle cosine (num_cycles 1.0); full fine-tuning
+only with rank 8 / alpha 32 on q_proj and a one-cycle cosine (num_cycles 1.0); NEFTune (alpha 5, by its older
+name noisy_embedding_alpha; rows padded to sequence_len, so every micro-batch has the same noise scale; each row's
+noise keyed by its tokens) on full fine-tuning; full fine-tuning
 with the embeddings at half the rate and the attention projections in a group of their own (weight decay 0.1).
 Tolerance: only fp32 reduction order differs: loss rtol 1e-5, saved tensors atol 1e-5 (AdamW, epsilon 1e-6).
 """
@@ -35,6 +37,7 @@ ROWS = {  # name: (the row's keys, the keys that turn its feature off)
         "q_proj": 32}, "peft_layers_to_transform": [1], "peft_layers_pattern": "layers", "lr_scheduler": "cosine",
         "lr_scheduler_kwargs": {"num_cycles": 1.0}}, {"lora_rank_pattern": None, "lora_alpha_pattern": None,
                                                       "peft_layers_to_transform": None, "peft_layers_pattern": None}),
+    "neftune": ({"noisy_embedding_alpha": 5, "pad_to_sequence_len": True}, {"noisy_embedding_alpha": None}),
     "groups": ({"embedding_lr_scale": 0.5, "lr_groups": [{"name": "attention", "modules": ["self_attn"],
                                                            "lr": 5e-4}]}, {"embedding_lr_scale": None,
                                                                            "lr_groups": None}),

@@ -64,8 +64,6 @@ REFUSED = {
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "neftune_noise_alpha": "drop it (no NEFTune noise)",
-    "noisy_embedding_alpha": "drop it (no NEFTune noise)",
     "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
     "merge_lora": "merge after training with peft's merge_and_unload()",
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",

@@ -53,6 +53,11 @@ class ObjectiveOptions(ParamGroupOptions):
     peft_init_lora_weights: bool | str | None = None
     """How LoRA starts (peft's init_lora_weights): true (A Kaiming, B 0), false (both random: not an identity
     start), or gaussian."""
+    noisy_embedding_alpha: float | None = None
+    """Axolotl's older name of neftune_noise_alpha (read as it)."""
+    neftune_noise_alpha: float | None = None
+    """NEFTune: uniform noise of magnitude alpha / sqrt(length x hidden) on the input embeddings in training
+    (cli/train/neftune.py; noisy_embedding_alpha is Axolotl's older name)."""
     peft_use_dora: bool = False
     """DoRA (peft's use_dora): each adapted weight split into a magnitude vector and a direction that LoRA updates."""
     peft: dict | None = None
@@ -75,11 +80,23 @@ class ObjectiveOptions(ParamGroupOptions):
 def objective_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping ``d`` (in place: evaluation_strategy becomes eval_strategy)."""
     out = []
-    for alias, key in (("evaluation_strategy", "eval_strategy"), ("model_revision", "revision_of_model")):
+    if d.get("noisy_embedding_alpha") and d.get("neftune_noise_alpha"):  # Axolotl's check_neftune
+        out.append("noisy_embedding_alpha and neftune_noise_alpha are both set: keep neftune_noise_alpha (the other "
+                   "is its older name)")
+    for alias, key in (("evaluation_strategy", "eval_strategy"), ("model_revision", "revision_of_model"),
+                       ("noisy_embedding_alpha", "neftune_noise_alpha")):
         old = d.pop(alias, None)  # Axolotl's other names
         if old is not None and d.get(key) is None:
             d[key] = old
     out += _lora_patterns(d)
+    alpha = d.get("neftune_noise_alpha")
+    if isinstance(alpha, str):  # PyYAML reads 5e0 as a string; Axolotl's schema takes the number
+        try:
+            d["neftune_noise_alpha"] = alpha = float(alpha)
+        except ValueError:
+            pass
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        out.append(f"neftune_noise_alpha={alpha!r}: write a number > 0 (the NEFTune paper uses 5)")
     if d.get("use_eaft") is not None and not isinstance(d["use_eaft"], bool):
         out.append(f"use_eaft={d['use_eaft']!r}; use true or false")
     alpha, k = d.get("eaft_alpha"), d.get("eaft_k")
@@ -364,7 +381,12 @@ def _lora_patterns(d: dict) -> list[str]:
 
 
 def check_dora_layout(t: ObjectiveOptions, layout, path) -> None:
-    """DoRA's magnitude is the norm of each whole adapted weight: tensor parallelism holds slices of it."""
+    """DoRA's magnitude is the norm of each whole adapted weight: tensor parallelism holds slices of it. NEFTune's
+    scale and keyed noise read whole rows: TP and CP split the embedding output."""
+    if t.neftune_noise_alpha and (layout.tp_size > 1 or layout.cp_size > 1):
+        raise ConfigError(f"{path}: neftune_noise_alpha with tensor / context parallelism: the noise is drawn per "
+                          "whole row of the embedding output, which TP / CP split; use dp_shard_size / "
+                          "dp_replicate_size / pipeline_parallel_size, or drop it")
     if t.peft_use_dora and layout.tp_size > 1:
         raise ConfigError(f"{path}: peft_use_dora with tensor_parallel_size={layout.tp_size}: DoRA normalizes each "
                           "whole adapted weight, which TP splits; use dp_shard_size / dp_replicate_size / "

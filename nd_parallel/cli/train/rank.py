@@ -114,8 +114,11 @@ def _adjust(trainer, t: TrainConfig, dp: int) -> None:
 
 def _extra_callbacks(t, trainer) -> list:
     """LISA / ReLoRA (restarts.py), do_causal_lm_eval's metrics (lm_eval.py), the LLM Compressor plugin's masks
-    (sparsity.py): each an empty list unless its keys are set."""
-    return [*restarts.callbacks(t, trainer), *lm_eval.callbacks(t, trainer), *sparsity.callbacks(t, trainer)]
+    (sparsity.py), NEFTune's keyed noise (neftune.py): each an empty list unless its keys are set."""
+    from .neftune import KeyedNEFTune
+
+    noise = [KeyedNEFTune(trainer.model, t.neftune_noise_alpha, t.seed)] if t.neftune_noise_alpha else []
+    return [*restarts.callbacks(t, trainer), *lm_eval.callbacks(t, trainer), *sparsity.callbacks(t, trainer), *noise]
 
 
 def freeze_mm_modules(model):
@@ -252,7 +255,7 @@ def _run_train(job: TrainJob) -> dict:
             parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
         trainer = diffusion.trainer(t, Trainer, TrainingArguments(**job.trainer_args), collator, parts)  # or plain
     _adjust(trainer, t, job.layout.dp_size)  # Muon, quadratic warm-up, jagged restarts, length groups
-    for callback in _extra_callbacks(t, trainer):  # lisa, relora, generation metrics, sparsity masks
+    for callback in _extra_callbacks(t, trainer):  # lisa, relora, generation metrics, sparsity masks, neftune
         trainer.add_callback(callback)
     for noisy in (PrinterCallback, ProgressCallback):  # ProgressAndLog prints instead, every logging_steps
         trainer.remove_callback(noisy)
