@@ -105,14 +105,14 @@ def test_real_world_yaml_is_read_with_axolotls_meaning(tmp_path, data):
 
 
 def test_keys_that_change_training_are_refused_together(tmp_path, data):
-    path = real_world(tmp_path, data, flash_attention="true", neftune_noise_alpha="5", optimizer="lion_8bit")
+    path = real_world(tmp_path, data, flash_attention="true", s2_attention="true", optimizer="lion_8bit")
     text = open(path).read() + "load_in_4bit: true\ndeepspeed: deepspeed_configs/zero3.json\nrl: dpo\n"
     open(path, "w").write(text)  # adapter: lora with load_in_4bit: Axolotl's rule asks for qlora
     with pytest.raises(ConfigError) as err:
         load_train_config(path)
     message = str(err.value)
     assert "6 setting(s) cannot be used" in message, message
-    for needle in ("neftune_noise_alpha=5", "load_in_4bit=True with adapter='lora'",
+    for needle in ("s2_attention=True", "load_in_4bit=True with adapter='lora'",
                    "deepspeed and fsdp/fsdp_config are both set", "sample_packing=True with rl: dpo",
                    "datasets[0].type='alpaca' with rl: dpo", "set adapter: qlora",
                    "optimizer='lion_8bit': use one of adamw_torch"):
