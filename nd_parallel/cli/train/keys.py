@@ -60,7 +60,9 @@ KERNEL_KEYS = ("flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fu
 
 _PLUGIN = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 REFUSED = {
-    "gptq": "GPTQ checkpoints are not implemented: use the unquantized checkpoint",
+    "gptq": "GPTQ checkpoints need gptqmodel's kernels (no CPU wheel; it builds with CUDA) and are not loaded here: "
+            "train the unquantized checkpoint, or QLoRA on it (adapter: qlora, load_in_4bit: true)",
+    "gptq_disable_exllama": "belongs to gptq (GPTQ checkpoints), not loaded here: drop it with gptq",
     "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
                     "(full attention, attn_implementation: sdpa)",
     "test_datasets": "use val_set_size to hold out part of datasets:",
@@ -97,6 +99,8 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "adam_eps": "not an Axolotl key: Axolotl drops it and AdamW keeps the Trainer's epsilon 1e-8, as here; for "
                       "another epsilon write adam_epsilon: <value>",
           "test_value": "not an Axolotl key (no Axolotl code reads it): Axolotl drops it, and it changes nothing here",
+          "torch_dtype": "not an Axolotl key: Axolotl drops it; the weights' dtype follows bf16 / fp16 / float32 there "
+                         "and here",
           # in Axolotl's schema, read by none of its 0.19 code
           "dpo_beta": "deprecated: Axolotl 0.19 warns and reads rl_beta instead, as here; write rl_beta",
           "lr_div_factor": "in Axolotl's schema, read by none of its 0.19 code (its one_cycle schedule is not built)",
