@@ -12,14 +12,7 @@ import json
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import (
-    compare_runs,
-    jobs_for,
-    logged,
-    run_jobs,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, logged, run_rows, write_model_and_data
 
 BASE = dict(rl="dpo", micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
             lr_scheduler="linear", seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=64,
@@ -41,21 +34,10 @@ def runs(tmp_path_factory):
     pairs = [{"prompt": lines[i][:40], "chosen": lines[i + 1][:40], "rejected": lines[i + 2][:40]}
              for i in range(0, 48, 3)]  # 16: whole global batches of 8 (a ragged last one is filled per rank)
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    refs, parallel = [], []
-    for row, keys in ROWS.items():
-        shared = {**BASE, **keys, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
-                  "datasets": [{"path": str(root / "pairs.jsonl"), "type": "chatml.prompt_pairs"}]}
-        parallel += [write_yaml(root / f"{row}_{name}.yaml", {**shared, **sizes, "output_dir": str(root / f"{row}_"
-                                                                                                   f"{name}")})
-                     for name, sizes in LAYOUTS.items()]
-        refs.append(write_yaml(root / f"{row}_ref.yaml", {**shared, "micro_batch_size": 4,
-                                                          "output_dir": str(root / f"{row}_ref")}))
-        plain = {k: v for k, v in shared.items() if k not in OFF}
-        refs.append(write_yaml(root / f"{row}_plain.yaml", {**plain, "micro_batch_size": 4,
-                                                            "output_dir": str(root / f"{row}_plain")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    common = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
+              "datasets": [{"path": str(root / "pairs.jsonl"), "type": "chatml.prompt_pairs"}]}
+    return run_rows(root, {row: {**common, **keys} for row, keys in ROWS.items()}, LAYOUTS, {"micro_batch_size": 4},
+                    {row: {k: None for k in OFF} for row in ROWS})
 
 
 @pytest.mark.parametrize("row", list(ROWS))

@@ -20,14 +20,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed.train_yaml_helpers import (
-    jobs_for,
-    logged,
-    run_jobs,
-    saved_tensors,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import logged, run_rows, saved_tensors, write_model_and_data
 
 BASE = dict(micro_batch_size=1, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, lr_scheduler="linear",
             seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=40, val_set_size=0.0, rl="ebft")
@@ -54,18 +47,10 @@ def runs(tmp_path_factory):
     (root / "code.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     entries = {"pretrain": [{"path": data["text"], "type": "ebft_pretrain.transform"}],
                "structured": [{"path": str(root / "code.jsonl"), "type": "ebft_strided_structured.transform"}]}
-    parallel, refs = [], []
-    for row, keys in ROWS.items():
-        shared = {**BASE, **keys, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
-                  "datasets": entries[keys["datasets"]], "special_tokens": {"pad_token": "<pad>"}}
-        parallel += [write_yaml(root / f"{row}_{name}.yaml", {**shared, **sizes, "output_dir": str(root / f"{row}_"
-                                                                                                   f"{name}")})
-                     for name, sizes in LAYOUTS.items()]
-        refs.append(write_yaml(root / f"{row}_ref.yaml", {**shared, "gradient_accumulation_steps": 4,
-                                                          "output_dir": str(root / f"{row}_ref")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    common = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
+              "special_tokens": {"pad_token": "<pad>"}}
+    rows = {row: {**common, **keys, "datasets": entries[keys["datasets"]]} for row, keys in ROWS.items()}
+    return run_rows(root, rows, LAYOUTS, {"gradient_accumulation_steps": 4})  # the same micro-batches
 
 
 @pytest.mark.parametrize("row", list(ROWS))

@@ -17,14 +17,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed.train_yaml_helpers import (
-    compare_runs,
-    jobs_for,
-    run_jobs,
-    saved_tensors,
-    write_model_and_data,
-    write_yaml,
-)
+from tests.distributed.train_yaml_helpers import compare_runs, run_rows, saved_tensors, write_model_and_data
 
 BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, learning_rate=2e-3, lr_scheduler="linear",
             seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=64, val_set_size=0.0, weight_decay=0.1)
@@ -49,20 +42,10 @@ LAYOUTS = {"fsdp2": {"dp_shard_size": 2}, "ddp": {"dp_replicate_size": 2}}
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_variants")
     data = write_model_and_data(root, n=48)
-    refs, parallel = [], []
-    for row, (keys, off) in ROWS.items():
-        shared = {**BASE, **keys, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
-                  "datasets": [{"path": data["text"], "type": "completion"}]}
-        parallel += [write_yaml(root / f"{row}_{name}.yaml", {**shared, **sizes, "output_dir": str(root / f"{row}_"
-                                                                                                   f"{name}")})
-                     for name, sizes in LAYOUTS.items()]
-        refs.append(write_yaml(root / f"{row}_ref.yaml", {**shared, "micro_batch_size": 4,
-                                                          "output_dir": str(root / f"{row}_ref")}))
-        plain = {k: v for k, v in {**shared, **off, "micro_batch_size": 4}.items() if v is not None}
-        refs.append(write_yaml(root / f"{row}_plain.yaml", {**plain, "output_dir": str(root / f"{row}_plain")}))
-    run_jobs(jobs_for(refs, root, 1), root, 1)
-    run_jobs(jobs_for(parallel, root, 2), root, 2)
-    return root
+    common = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
+              "datasets": [{"path": data["text"], "type": "completion"}]}
+    return run_rows(root, {row: {**common, **keys} for row, (keys, _) in ROWS.items()}, LAYOUTS,
+                    {"micro_batch_size": 4}, {row: off for row, (_, off) in ROWS.items()})
 
 
 @pytest.mark.parametrize("row", list(ROWS))

@@ -76,7 +76,7 @@ def test_schema_keys_are_read_or_accepted_with_their_meaning(tmp_path):
     keys = {"lora_rank_pattern": {"q_proj": 8}, "lora_alpha_pattern": {"q_proj": 32}, "peft_layers_to_transform": [1],
             "peft_layers_pattern": "layers", "peft_init_lora_weights": "gaussian", "model_revision": "main",
             "lr_scheduler_kwargs": {"num_cycles": 1.0}, "optim_args": {"foo": 1, "bar": "x"}, "gc_collect_steps": 10,
-            "gradio_title": "t", "world_size": 8, "do_bench_eval": True, "dpo_beta": 0.1,
+            "gradio_title": "t", "world_size": 8, "do_bench_eval": True, "dpo_beta": 0.1, "torch_dtype": "bfloat16",
             "cosine_min_lr_ratio": 0.1}
     (tmp_path / "c.yml").write_text(json.dumps({**base, **keys}))
     cfg = load_train_config(tmp_path / "c.yml", environ={})
