@@ -63,8 +63,16 @@ REFUSED = {
     "gptq": "GPTQ checkpoints need gptqmodel's kernels (no CPU wheel; it builds with CUDA) and are not loaded here: "
             "train the unquantized checkpoint, or QLoRA on it (adapter: qlora, load_in_4bit: true)",
     "gptq_disable_exllama": "belongs to gptq (GPTQ checkpoints), not loaded here: drop it with gptq",
-    "s2_attention": "shifted-sparse attention (LongLoRA) changes the attention; it is not implemented: drop it "
+    "s2_attention": "shifted-sparse attention (LongLoRA): Axolotl 0.19 refuses it too (no longer supported); drop it "
                     "(full attention, attn_implementation: sdpa)",
+    # deprecated: Axolotl 0.19's schema refuses these as well
+    "rope_scaling": "Axolotl 0.19 refuses it too: write it under model_config (overrides of the model's config)",
+    "rpo_alpha": "removed from TRL (Axolotl 0.19 refuses it too): RPO is the sigmoid loss plus an SFT term, write "
+                 "dpo_loss_type: [sigmoid, sft] with dpo_loss_weights: [1.0, <rpo_alpha>]",
+    "dpo_use_logits_to_keep": "removed from TRL (Axolotl 0.19 refuses it too): drop it",
+    "dpo_generate_during_eval": "removed from TRL (Axolotl 0.19 refuses it too): drop it",
+    "dpo_norm_loss": "no longer in TRL (Axolotl 0.19 refuses it too); dpo_loss_type: sigmoid_norm is the "
+                     "length-normalized sigmoid loss",
     "test_datasets": "use val_set_size to hold out part of datasets:",
     "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
     "merge_lora": "merge after training with peft's merge_and_unload()",
