@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import data_options
 from .data.sources import suggest
+from .data_options import DataOptions
 
 # Axolotl's PretrainingDataset keys (its SFT keys name the same fields: field for text_column, ds_type)
 PRETRAINING_KEYS = ("path", "name", "split", "text_column", "field", "type", "data_files", "skip",
@@ -26,7 +28,7 @@ PRETRAINING_TYPES = {"pretrain": "pretraining", "pretraining": "pretraining", No
 
 
 @dataclass(kw_only=True)
-class StreamingOptions:
+class StreamingOptions(DataOptions):  # and excess_length_strategy, dataset_shard_* (data_options.py)
     streaming: bool = False
     """Stream the datasets entry (datasets' streaming=True), reading only the records the run's max_steps needs.
     Set by pretraining_dataset (Axolotl turns streaming on for it too)."""
@@ -50,7 +52,8 @@ class StreamingOptions:
 def streaming_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d`; a pretraining_dataset becomes the streamed `datasets:` entry
     (in place). Refusal lines, each with its fix (Axolotl's own rules where it has one)."""
-    out = [f"{key}={d[key]!r}; use true or false" for key in ("streaming", "pretrain_multipack_attn",
+    out = data_options.refusals(d)
+    out += [f"{key}={d[key]!r}; use true or false" for key in ("streaming", "pretrain_multipack_attn",
                                                                "pretraining_sample_concatenation", "reinit_weights")
            if d.get(key) is not None and not isinstance(d[key], bool)]
     old = d.pop("pretrain_multipack_buffer_size", None)

@@ -59,7 +59,8 @@ def _fingerprint(cfg, tokenizer) -> str:
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
-            "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl")
+            "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl",
+            "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
     from ..grpo import RL, is_transform, module_file
 
@@ -90,9 +91,10 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
         ds = ds.map(chunk_fn(cfg.sequence_len), batched=True, desc="cutting into sequence_len blocks")
     if spec.type == "bradley_terry.chat_template":  # pairs, cut to sequence_len: Axolotl drops none of them
         return ds, f"{where}: {len(raw)} records -> {len(ds)} pairs ({spec.type})"
+    from ..data_options import length_filter
+
     shortest = cfg.min_sample_len or 2  # Axolotl's min_sample_len (default 2)
-    kept = ds.filter(lambda row: shortest <= len(row["input_ids"]) <= cfg.sequence_len,
-                     desc="dropping long and short samples")
+    kept = length_filter(ds, cfg, where)  # excess_length_strategy: drop, truncate or raise
     kept = kept.filter(lambda row: any(t != -100 for t in row["labels"]), desc="dropping untrained samples")
     if len(kept) == 0:
         raise ConfigError(f"{where}: none of its {len(raw)} records is left after tokenizing and filtering (samples "
@@ -179,6 +181,10 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     if cfg.dataset_exact_deduplication:
         merged, dropped = _deduplicated(merged)
         lines.append(f"dataset_exact_deduplication: {dropped} duplicate sample(s) dropped, {len(merged)} kept")
+    from ..data_options import shard
+
+    merged, line = shard(merged, cfg)  # dataset_shard_num / dataset_shard_idx, before the split as in Axolotl
+    lines += [line] if line else []
     train, evals = _split(merged, cfg)
     eval_packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
     if cfg.sample_packing:

@@ -1,0 +1,75 @@
+"""Axolotl's keys that choose which tokenized samples a run trains on, with its meaning (its utils/data):
+
+- ``excess_length_strategy``: a sample longer than ``sequence_len`` is dropped (``drop``, the default), cut to
+  ``sequence_len`` (``truncate``: input ids, labels, attention mask and position ids), or stops the run (``raise``:
+  here in the parent, naming the count and the fix); samples shorter than ``min_sample_len`` are dropped either way;
+- ``dataset_shard_num`` / ``dataset_shard_idx``: after the datasets are merged (shuffled, deduplicated), only shard
+  ``idx`` of ``num`` (``datasets.Dataset.shard``: contiguous blocks) is kept, before the evaluation split.
+
+Supervised data; with ``rl`` (TRL's trainers read the pairs / prompts) and with streamed data they are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STRATEGIES = ("drop", "truncate", "raise")
+
+
+@dataclass(kw_only=True)
+class DataOptions:
+    excess_length_strategy: str | None = None
+    """Samples longer than sequence_len: drop (default), truncate (cut to sequence_len) or raise (stop the run)."""
+    dataset_shard_num: int | None = None
+    """Keep one of this many contiguous shards of the merged data (with dataset_shard_idx)."""
+    dataset_shard_idx: int | None = None
+    """Which shard dataset_shard_num keeps (0-based)."""
+
+
+def refusals(d: dict) -> list[str]:
+    out = []
+    strategy = d.get("excess_length_strategy")
+    if isinstance(strategy, str):
+        d["excess_length_strategy"] = strategy = strategy.lower()  # Axolotl lower-cases it
+    if strategy is not None and strategy not in STRATEGIES:
+        out.append(f"excess_length_strategy={strategy!r}; use one of {', '.join(STRATEGIES)}")
+    num, idx = d.get("dataset_shard_num"), d.get("dataset_shard_idx")
+    if num is not None or idx is not None:
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (num, idx))
+        if not ints or num < 1 or not 0 <= idx < num:
+            out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
+                       "[0, dataset_shard_num)")
+    used = [k for k in ("dataset_shard_num",) if d.get(k) is not None] + (
+        ["excess_length_strategy"] if strategy not in (None, "drop") else [])
+    for why, on in (("rl", d.get("rl")), ("streamed data", d.get("streaming") or d.get("pretraining_dataset"))):
+        out += [f"{k} with {why}: it applies to the supervised samples prepared before training; drop it"
+                for k in used if on]
+    return out
+
+
+def length_filter(ds, cfg, where: str):
+    """The tokenized samples kept by excess_length_strategy and min_sample_len (see the module docstring)."""
+    from nd_parallel.config import ConfigError
+
+    shortest, longest = cfg.min_sample_len or 2, cfg.sequence_len  # Axolotl's min_sample_len (default 2)
+    strategy = cfg.excess_length_strategy or "drop"
+    if strategy == "raise":
+        over = sum(1 for ids in ds["input_ids"] if len(ids) > longest)
+        if over:
+            raise ConfigError(f"{where}: {over} sample(s) are longer than sequence_len={longest} "
+                              "(excess_length_strategy: raise); raise sequence_len, or set excess_length_strategy: "
+                              "drop or truncate")
+    if strategy == "truncate":
+        ds = ds.filter(lambda row: len(row["input_ids"]) >= shortest, desc="dropping short samples")
+        columns = [c for c in ("input_ids", "labels", "attention_mask", "position_ids") if c in ds.column_names]
+        return ds.map(lambda row: {c: row[c][:longest] for c in columns}, desc="truncating long samples")
+    return ds.filter(lambda row: shortest <= len(row["input_ids"]) <= longest, desc="dropping long and short samples")
+
+
+def shard(ds, cfg):
+    """dataset_shard_num / dataset_shard_idx: the kept shard, and a line for the sources, or (ds, None)."""
+    if not cfg.dataset_shard_num:
+        return ds, None
+    kept = ds.shard(num_shards=cfg.dataset_shard_num, index=cfg.dataset_shard_idx, contiguous=True)
+    return kept, (f"dataset_shard_num={cfg.dataset_shard_num}, dataset_shard_idx={cfg.dataset_shard_idx}: "
+                  f"{len(kept)} of {len(ds)} samples kept")
