@@ -114,6 +114,11 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "lr_div_factor": "in Axolotl's schema, read by none of its 0.19 code (its one_cycle schedule is not built)",
           "max_prompt_len": "in Axolotl's schema, read by none of its 0.19 code",
           "ple_cpu_offload": "in Axolotl's schema, read by none of its 0.19 code",
+          "default_system_message": "Axolotl 0.19 writes it into the chatml template in place of 'You are a "
+                                    "helpful assistant.', a sentence its chatml template does not have: no effect "
+                                    "there, none here",
+          "eval_sequence_len": "Axolotl 0.19 applies it to test_datasets only (refused here); the val_set_size split "
+                               "is filtered by sequence_len there and here",
           # an evaluation, not training
           "do_bench_eval": "Axolotl's multiple-choice benchmark at each evaluation is not run here (training is the "
                            "same); evaluate the saved model afterwards",
