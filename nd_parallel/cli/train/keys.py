@@ -119,6 +119,10 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
                                     "there, none here",
           "eval_sequence_len": "Axolotl 0.19 applies it to test_datasets only (refused here); the val_set_size split "
                                "is filtered by sequence_len there and here",
+          "chunked_cross_entropy": "the loss is computed in sequence chunks already (loss_chunk_size, default auto: "
+                                   "the same values, the full logits never held)",
+          "chunked_cross_entropy_num_chunks": "not read: the chunk size is loss_chunk_size (tokens per chunk; "
+                                              "default auto)",
           # an evaluation, not training
           "do_bench_eval": "Axolotl's multiple-choice benchmark at each evaluation is not run here (training is the "
                            "same); evaluate the saved model afterwards",
