@@ -48,3 +48,12 @@ def test_config_stage(tmp_path):
         load_train_config(tmp_path / "c.yml", environ={})
     for needle in ("excess_length_strategy='cut'", "dataset_shard_idx=2: write both", "dataset_shard_num with rl"):
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_auto_resume_is_resume_from_checkpoint_auto(tmp_path):
+    base = {"base_model": "./m", "datasets": [{"path": "d.jsonl", "type": "completion"}],
+            "auto_resume_from_checkpoints": True}
+    (tmp_path / "c.yml").write_text(json.dumps(base))
+    assert load_train_config(tmp_path / "c.yml", environ={}).resume_from_checkpoint == "auto"
+    (tmp_path / "c.yml").write_text(json.dumps({**base, "resume_from_checkpoint": str(tmp_path)}))
+    assert load_train_config(tmp_path / "c.yml", environ={}).resume_from_checkpoint == str(tmp_path)  # given wins

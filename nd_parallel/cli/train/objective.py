@@ -53,6 +53,8 @@ class ObjectiveOptions(ParamGroupOptions):
     peft_init_lora_weights: bool | str | None = None
     """How LoRA starts (peft's init_lora_weights): true (A Kaiming, B 0), false (both random: not an identity
     start), or gaussian."""
+    auto_resume_from_checkpoints: bool = False
+    """Resume from output_dir's latest checkpoint when resume_from_checkpoint is unset (read as it: auto)."""
     noisy_embedding_alpha: float | None = None
     """Axolotl's older name of neftune_noise_alpha (read as it)."""
     neftune_noise_alpha: float | None = None
@@ -80,6 +82,8 @@ class ObjectiveOptions(ParamGroupOptions):
 def objective_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping ``d`` (in place: evaluation_strategy becomes eval_strategy)."""
     out = []
+    if d.get("auto_resume_from_checkpoints") is True and not d.get("resume_from_checkpoint"):
+        d["resume_from_checkpoint"] = "auto"  # the latest complete checkpoint in output_dir, if any (Axolotl's)
     if d.get("noisy_embedding_alpha") and d.get("neftune_noise_alpha"):  # Axolotl's check_neftune
         out.append("noisy_embedding_alpha and neftune_noise_alpha are both set: keep neftune_noise_alpha (the other "
                    "is its older name)")
