@@ -180,3 +180,19 @@ def test_strided_config_stage(tmp_path):
                    "ebft.embed_method='concat' with mode: strided", "ebft.min_completion_prefix=-1",
                    "rl: ebft with tp_size=2"):
         assert needle in str(err.value), (needle, str(err.value))
+
+
+def test_a_micro_batch_too_short_for_a_block_trains_nothing_and_makes_the_same_forwards():
+    """Anchors after a long prompt leave no block: the loss is 0 (on the graph, so every rank backs), no metrics,
+    and the model still runs generate_max_len + 1 forwards (the feature network's under LoRA: + 1) as the other
+    ranks' FSDP gathers expect."""
+    model = _tiny_model()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+                                    args=types.SimpleNamespace(seed=0), state=types.SimpleNamespace(global_step=0))
+    s = es.strided_settings({"stride": 2, "context_length": 2, "generate_max_len": 3})
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss, metrics = es.strided_loss(trainer, model, {"input_ids": ids, "prompt_length": torch.tensor([10, 4])}, s,
+                                    frozen=model)
+    assert loss.item() == 0 and loss.requires_grad and metrics == {} and len(calls) == 3 + 1
