@@ -127,3 +127,24 @@ def test_axolotls_relora_yaml_settings_pass_and_tp_is_refused(tmp_path):
     check_layout(cfg, ParallelismConfig(pp_size=2), "c.yml")
     with pytest.raises(ConfigError, match="relora on a quantized base with tensor / expert parallelism"):
         check_layout(cfg, ParallelismConfig(tp_size=2), "c.yml")
+
+
+def test_a_restart_on_an_8bit_base_keeps_the_function(tmp_path):
+    """LoRA on LLM.int8 (load_in_8bit): after the restart the model computes what it computed before, up to int8's
+    rounding of float + delta, and still trains."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from nd_parallel.testing.models import save_tiny_model
+
+    source = str(save_tiny_model("llama", tmp_path / "m", seed=1))
+    base = AutoModelForCausalLM.from_pretrained(source, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    _randomize_b(model, 3)
+    ids = torch.arange(10)[None]
+    before = model(input_ids=ids).logits.detach()
+    merge_and_reinit(model, 0, 2, master=FloatMaster(source, str(tmp_path / "out")))
+    weight = model.base_model.model.model.layers[0].self_attn.q_proj.get_base_layer().weight
+    assert weight.dtype == torch.int8
+    assert (model(input_ids=ids).logits.detach() - before).abs().max() < 1e-3
+    model(input_ids=ids, labels=ids).loss.backward()
