@@ -168,6 +168,17 @@ def _read_yaml_source(arg: Any, source: str | None) -> tuple[str, str]:
         raise ConfigError(f"cannot read config file {path!r}: {err}") from err
 
 
+def yaml_number(value):
+    """``value`` as a float where it is a string that reads as one, else as given: PyYAML reads a number written
+    without a dot (1e-4) as a string, and Axolotl's schema takes it as the number."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def safe_load_yaml(text: str, source: str) -> Any:
     """yaml.safe_load of ``text``; a syntax error or a tag raises ConfigError naming ``source``, line and column."""
     try:

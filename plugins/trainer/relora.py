@@ -71,6 +71,11 @@ def generator(seed: int, step: int, name: str, what: str) -> torch.Generator:
     return keyed_generator(seed, step, zlib.crc32(f"{canonical(name)}|{what}".encode()))
 
 
+def tokens_key(tokens: torch.Tensor) -> int:
+    """A row's key for ``keyed_generator``: its tokens' checksum, the same wherever the row lands."""
+    return zlib.crc32(tokens.cpu().numpy().tobytes())
+
+
 def keyed_generator(seed: int, step: int, key: int) -> torch.Generator:
     """A CPU generator seeded by (seed, step, key), the same on every rank and in one process: the restarts' draws
     here, and the diffusion objective's masks keyed by a row's tokens (cli/train/diffusion.py)."""
@@ -180,12 +185,14 @@ def _inner_optimizer(optimizer):
 
 def _values(state: dict, key: str) -> torch.Tensor:
     """A state entry's values: bitsandbytes' 8-bit ``state1`` / ``state2`` decoded from their uint8 codes (the
-    map ``qmap<n>`` scaled by each 256-value block's ``absmax<n>``), else the entry itself."""
+    map ``qmap<n>`` scaled by each block's ``absmax<n>``), else the entry itself."""
     value = state[key]
     if value.dtype != torch.uint8:
         return value
     n = key[-1]
-    flat = state[f"qmap{n}"][value.flatten().long()] * state[f"absmax{n}"].repeat_interleave(256)[:value.numel()]
+    from nd_parallel.distributed.optimizer_8bit import BLOCK
+
+    flat = state[f"qmap{n}"][value.flatten().long()] * state[f"absmax{n}"].repeat_interleave(BLOCK)[:value.numel()]
     return flat.view(value.shape)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nd_parallel.config import PARALLEL_KEYS, RUN_OPTIONS, ConfigError, ParallelismConfig
+from nd_parallel.config.sources import yaml_number
 
 from . import equivalents, grpo, keys
 from .data.sources import DatasetSpec, dataset_specs, suggest
@@ -227,11 +228,8 @@ def read_yaml_mapping(path: str | os.PathLike) -> dict:
 
 def _check_value(key: str, value: Any) -> Any:
     kind, bound, op = _CHECKS[key]
-    if kind is float and isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            pass
+    if kind is float:
+        value = yaml_number(value)
     number = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     if not number or value < bound or (op == ">" and value == bound):
         raise ConfigError(f"{key}={value!r} must be {'an integer' if kind is int else 'a number'} {op} {bound}")

@@ -26,7 +26,6 @@ tensor, context and pipeline parallelism split what the 4-D mask and the loss re
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,13 +117,13 @@ def noise(input_ids, labels, sample_ids, special: set[int], eps: float, seed: in
     """(masked positions, masking probability per position) of a micro-batch, each row from its own generator."""
     import torch
 
-    from nd_parallel.plugins.trainer.relora import keyed_generator
+    from nd_parallel.plugins.trainer.relora import keyed_generator, tokens_key
 
     rows, length = input_ids.shape
     t = torch.empty(rows, dtype=torch.float32)
     draws = torch.empty(rows, length, dtype=torch.float32)
     for i in range(rows):  # (seed, step, the row's tokens): the same draws wherever the row lands
-        g = keyed_generator(seed, step, zlib.crc32(input_ids[i].cpu().numpy().tobytes()))
+        g = keyed_generator(seed, step, tokens_key(input_ids[i]))
         t[i] = torch.rand((), generator=g)
         draws[i] = torch.rand(length, generator=g)
     p = ((1 - eps) * t + eps)[:, None].expand(rows, length).to(input_ids.device)

@@ -126,6 +126,16 @@ def _strided_notes(d: dict) -> list[str]:
     return out
 
 
+def frozen_copy(t, model):
+    """The feature network under full fine-tuning: a frozen copy of the model on each rank (as Axolotl); None under
+    LoRA, where the base with the adapter disabled reads the features."""
+    if t.adapter in ("lora", "qlora"):
+        return None
+    import copy
+
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
 def pool(hidden: torch.Tensor, method: str, mask: torch.Tensor, prompt_lengths: torch.Tensor | None) -> torch.Tensor:
     """[B, S, D] hidden states -> [B, D'] sequence embeddings (right-padded rows; ``mask`` marks real tokens;
     ``prompt_lengths``, read by completion_mean only, the prompt's tokens per row)."""

@@ -40,13 +40,12 @@ split what the strided mask reads whole, and are refused (ebft.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import zlib
 
 import torch
 import torch.nn.functional as F
 
-from .ebft import STRIDED, settings, whiten
+from .ebft import STRIDED, frozen_copy, settings, whiten
 
 ESTIMATORS = ("rloo", "group_norm", "reinforce")
 METRICS = ("rl_loss", "ce_loss", "cfm_loss", "mean_reward", "alignment", "diversity", "num_blocks", "advantages_std")
@@ -217,7 +216,9 @@ def strided_loss(trainer, model, inputs: dict, s: dict, frozen) -> tuple[torch.T
             for _ in range(gen + adapter):
                 model(input_ids=ids[:, :1])
         return model(input_ids=ids[:, :1]).logits.float().sum() * 0.0, {}
-    keys = [zlib.crc32(row.cpu().numpy().tobytes()) for row in ids]  # a document's rollouts: keyed by its tokens
+    from nd_parallel.plugins.trainer.relora import tokens_key
+
+    keys = [tokens_key(row) for row in ids]  # a document's rollouts: keyed by its tokens
     rows = ids.repeat_interleave(n, dim=0)
     full = generate(model, rows, blocks, anchor, s, [f"{keys[r // n]}:{r % n}" for r in range(len(rows))],
                     trainer.args.seed, trainer.state.global_step)
@@ -280,7 +281,7 @@ def trainer(t, trainer_args: dict, **parts):
     model = parts["model"]
     if getattr(model.config, "_attn_implementation", None) not in ("eager", "sdpa"):
         model.set_attn_implementation("sdpa")  # flash attention cannot take the strided mask (ebft.notes says so)
-    frozen = None if t.adapter in ("lora", "qlora") else copy.deepcopy(model).requires_grad_(False).eval()
+    frozen = frozen_copy(t, model)
 
     class StridedEBFTTrainer(Trainer):
         loss_is_scaled_for_ga = False  # a micro-batch mean: the Trainer averages the micro-batches

@@ -3,7 +3,6 @@ keyed sampling (``KeyedSampling``) and nd_parallel's 1/dp loss shares, built on 
 
 from __future__ import annotations
 
-import copy
 import zlib
 
 from . import grpo_async
@@ -87,8 +86,7 @@ def trainer(t, trainer_args: dict, **parts):
     if t.rl == "ebft":
         from . import ebft
 
-        reward = ebft.FeatureMatchingReward(t.ebft, None if t.adapter in ("lora", "qlora") else
-                                            copy.deepcopy(parts["model"]).requires_grad_(False).eval())
+        reward = ebft.FeatureMatchingReward(t.ebft, ebft.frozen_copy(t, parts["model"]))
         funcs = [reward]
     else:
         funcs = [name if not is_transform(name) else load_function(name, t.import_dirs)

@@ -12,7 +12,6 @@ scale wherever they land; otherwise the scale follows each micro-batch's padding
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 from transformers import TrainerCallback
@@ -32,11 +31,11 @@ class KeyedNEFTune(TrainerCallback):
     def hook(self, module, args, output):
         if not module.training or not args or not torch.is_tensor(args[0]):
             return output
-        from nd_parallel.plugins.trainer.relora import keyed_generator
+        from nd_parallel.plugins.trainer.relora import keyed_generator, tokens_key
 
         ids = args[0]
         rows, length, width = output.shape
         bound = self.alpha / math.sqrt(length * width)
         noise = torch.stack([torch.rand(length, width, generator=keyed_generator(
-            self.seed, self.step, zlib.crc32(ids[i].cpu().numpy().tobytes()))) for i in range(rows)])
+            self.seed, self.step, tokens_key(ids[i]))) for i in range(rows)])
         return output + ((noise * 2 - 1) * bound).to(output.device, output.dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nd_parallel.config import ConfigError
+from nd_parallel.config.sources import yaml_number
 
 from . import param_groups
 from .param_groups import ParamGroupOptions
@@ -94,11 +95,8 @@ def objective_refusals(d: dict) -> list[str]:
             d[key] = old
     out += _lora_patterns(d)
     alpha = d.get("neftune_noise_alpha")
-    if isinstance(alpha, str):  # PyYAML reads 5e0 as a string; Axolotl's schema takes the number
-        try:
-            d["neftune_noise_alpha"] = alpha = float(alpha)
-        except ValueError:
-            pass
+    if alpha is not None:
+        d["neftune_noise_alpha"] = alpha = yaml_number(alpha)
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
         out.append(f"neftune_noise_alpha={alpha!r}: write a number > 0 (the NEFTune paper uses 5)")
     if d.get("use_eaft") is not None and not isinstance(d["use_eaft"], bool):

@@ -24,6 +24,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from nd_parallel.config.sources import yaml_number
+
 KEYS = ("loraplus_lr_ratio", "loraplus_lr_embedding", "embedding_lr", "embedding_lr_scale", "lr_groups")
 
 
@@ -62,22 +64,14 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def _float(value: Any) -> Any:
-    """PyYAML reads 1e-6 (no dot) as a string; Axolotl's schema takes it as the number."""
-    try:
-        return float(value) if isinstance(value, str) else value
-    except ValueError:
-        return value
-
-
 def refusals(d: dict) -> list[str]:
     """The keys' checks (numbers made numbers in ``d``, in place); refusal lines."""
     for key in KEYS[:4]:
         if d.get(key) is not None:
-            d[key] = _float(d[key])
+            d[key] = yaml_number(d[key])
     for group in d.get("lr_groups") or []:
         if isinstance(group, dict) and "lr" in group:
-            group["lr"] = _float(group["lr"])
+            group["lr"] = yaml_number(group["lr"])
     out = [f"{k}={d[k]!r}: write a number > 0" for k in KEYS[:4] if d.get(k) is not None and not _positive(d[k])]
     for key, kinds in (("lr_scheduler_kwargs", dict), ("optim_args", (str, dict))):
         if d.get(key) is not None and not isinstance(d[key], kinds):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nd_parallel.config.sources import yaml_number
+
 from . import grpo
 from .data.dpo_types import TYPES as TEMPLATE_DPO_TYPES
 from .data.kto import TYPES as KTO_TYPES
@@ -105,8 +107,8 @@ DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 
 def _dpo_refusals(d: dict, rl: str) -> list[str]:
     """Axolotl's dpo_* keys (its DPOStrategy): loss types and weights, label smoothing for rl: dpo only."""
-    if isinstance(d.get("dpo_label_smoothing"), str):  # PyYAML reads 1e-2 as a string; Axolotl takes the number
-        d["dpo_label_smoothing"] = _number(d["dpo_label_smoothing"])
+    if d.get("dpo_label_smoothing") is not None:
+        d["dpo_label_smoothing"] = yaml_number(d["dpo_label_smoothing"])
     used = [k for k in ("dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing", "dpo_use_weighting",
                         "dpo_use_liger_kernel") if d.get(k) is not None]
     if used and rl not in ("dpo", "ipo"):
@@ -132,13 +134,6 @@ def _dpo_refusals(d: dict, rl: str) -> list[str]:
     if rl == "ipo" and (types is not None or smoothing):  # Axolotl: ipo's loss is ipo, without smoothing
         out.append("dpo_loss_type / dpo_label_smoothing with rl: ipo: IPO's loss is fixed; set rl: dpo to choose it")
     return out
-
-
-def _number(value: str):
-    try:
-        return float(value)
-    except ValueError:
-        return value
 
 
 def dpo_args(t) -> dict:
