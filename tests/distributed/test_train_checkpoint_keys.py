@@ -1,11 +1,13 @@
-"""`save_only_model` and `early_stopping_patience` through nd_parallel's checkpoints under FSDP2 (2 CPU ranks, one
-launch for both runs, built exactly as `nd-parallel train` builds them).
+"""`save_only_model`, `early_stopping_patience` and `load_best_model_at_end` through nd_parallel's checkpoints under
+FSDP2 (2 CPU ranks, one launch for the three runs, built exactly as `nd-parallel train` builds them).
 
 - save_only_model: every checkpoint-N is the model alone, gathered whole (config.json + model.safetensors, the
   tokenizer): no sharded state, no optimizer, scheduler or RNG file; it loads with from_pretrained and holds the
   weights of step N (the last one equals the final model); resuming from it is refused before any rank starts.
 - early_stopping_patience: training stops once the eval loss has not improved for `patience` evaluations, and the
   model saved at the end is the best checkpoint's (its sharded state exported offline), not the last one's.
+- load_best_model_at_end (no early stopping): every step runs, and the model saved at the end is the best
+  checkpoint's.
 """
 
 import json
@@ -35,7 +37,10 @@ def runs(tmp_path_factory):
     paths = [_yaml(root, data, "model_only", save_only_model=True, save_steps=4, learning_rate=1e-3),
              # a large learning rate: the eval loss soon stops improving, so the run stops early
              _yaml(root, data, "early_stop", early_stopping_patience=1, val_set_size=0.25, eval_steps=1, save_steps=1,
-                   learning_rate=0.05)]
+                   learning_rate=0.05),
+             # load_best_model_at_end without early stopping: all the steps, then the best checkpoint's model
+             _yaml(root, data, "best_at_end", load_best_model_at_end=True, val_set_size=0.25, eval_steps=1,
+                   save_steps=1, learning_rate=0.05)]
     jobs = jobs_for(paths, root / "work", nproc=2)
     run_jobs(jobs, root / "work", nproc=2)
     return root, {job.name: job for job in jobs}
@@ -83,14 +88,16 @@ def test_resuming_a_model_only_checkpoint_is_refused_before_any_rank(runs):
         check_layout_rules(load_train_config(path, environ={}), path)
 
 
-def test_early_stopping_stops_and_reloads_the_best_checkpoint(runs, tmp_path):
+@pytest.mark.parametrize("name", ["early_stop", "best_at_end"])
+def test_the_best_checkpoint_is_the_final_model(runs, tmp_path, name):
     from nd_parallel.checkpoint import export_checkpoint
 
     root, jobs = runs
-    out = Path(jobs["early_stop"].train.output_dir)
+    out = Path(jobs[name].train.output_dir)
     steps = [r["step"] for r in logged(out)]
     evals = logged(out, "eval_log.jsonl")
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) < MAX_STEPS, (steps, evals)  # stopped early
+    assert steps == list(range(1, len(steps) + 1)), steps
+    assert (len(steps) < MAX_STEPS) == (name == "early_stop"), (steps, evals)  # early stopping stopped early
     last = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     state = json.loads((out / f"checkpoint-{last}" / "trainer_state.json").read_text())
     best = state["best_global_step"]

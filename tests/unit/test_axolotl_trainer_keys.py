@@ -164,6 +164,83 @@ def test_early_stopping_refusals_are_axolotls_rules(tmp_path, data, keys, match)
     assert re.search(match, _refusal(tmp_path, data, **keys))
 
 
+def test_load_best_model_at_end_reloads_the_best_checkpoint_without_early_stopping(tmp_path, data):
+    """Axolotl's load_best_model_at_end: true (its default false) without early_stopping_patience: the Trainer's
+    reload at the end, no EarlyStoppingCallback. Where Axolotl silently leaves it off (no evaluation split, save and
+    eval steps unset or not dividing), the config stage refuses it with the fix."""
+    from nd_parallel.cli.train.callbacks import watchdog
+
+    cfg = _config(tmp_path, data, load_best_model_at_end=True, save_steps=4, eval_steps=2, val_set_size=0.2)
+    args = trainer_arguments(cfg, "b", train_rows=16, eval_rows=4, dp=1)
+    assert args["load_best_model_at_end"] is True and watchdog(cfg) == []
+    assert "load_best_model_at_end" not in trainer_arguments(_config(tmp_path, data), "b", 16, 0, 1)
+    assert re.search(r"load_best_model_at_end with save_steps=None, eval_steps=None: set both",
+                     _refusal(tmp_path, data, load_best_model_at_end=True, val_set_size=0.2))
+    assert "load_best_model_at_end without val_set_size" in _refusal(
+        tmp_path, data, load_best_model_at_end=True, save_steps=2, eval_steps=2)
+    assert "load_best_model_at_end='yes'; use true or false" in _refusal(tmp_path, data, load_best_model_at_end="yes")
+
+
+_AXOLOTL_TAIL = """
+import json, sys, torch
+from axolotl.utils.schedulers import get_cosine_schedule_with_warmup_decay_constant as build
+out = {}
+for case in json.loads(sys.argv[1]):
+    warmup, total, constant, floor = case
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = build(opt, num_warmup_steps=warmup, num_training_steps=total, constant_lr_ratio=constant,
+                  min_lr_ratio=floor)
+    lrs = []
+    for _ in range(total):
+        lrs.append(sched.get_last_lr()[0]); opt.step(); sched.step()
+    out[str(case)] = lrs
+print(json.dumps(out))
+"""
+TAILS = [[2, 10, 0.8, 0.1], [0, 7, 0.5, 0.25], [3, 12, 1.0, 0.1], [1, 9, 0.3, 0.5]]
+
+
+def test_constant_tail_equals_axolotls_scheduler():
+    """cosine_constant_lr_ratio: Axolotl 0.19's get_cosine_schedule_with_warmup_decay_constant, run in its venv: the
+    same learning rates bit for bit (warm-up, the cosine to the floor, then the floor)."""
+    import json
+
+    from nd_parallel.cli.train.schedules import cosine_with_constant_tail
+
+    theirs = run_in_axolotl("-c", _AXOLOTL_TAIL, json.dumps(TAILS), timeout=600)
+    for warmup, total, constant, floor in TAILS:
+        ours = _lrs(cosine_with_constant_tail(_optimizer(), warmup, total, constant, floor), total)
+        assert ours == theirs[str([warmup, total, constant, floor])]
+        tail = ours[int(total * constant):]
+        assert (tail or constant == 1) and all(lr == pytest.approx(0.1 * floor, rel=1e-12) for lr in tail)
+
+
+def test_the_trainer_builds_the_constant_tail(tmp_path, data):
+    """The YAML keys reach the rank's Trainer: create_scheduler builds the constant tail with the Trainer's warm-up
+    count, over cosine_min_lr_ratio's TrainingArguments."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from nd_parallel.cli.train.schedules import cosine_with_constant_tail, use_constant_tail
+
+    cfg = _config(tmp_path, data, cosine_min_lr_ratio=0.1, cosine_constant_lr_ratio=0.6, warmup_steps=2,
+                  max_steps=10, learning_rate=0.1)
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(data["model"], dtype=torch.float32),
+                      args=TrainingArguments(**trainer_arguments(cfg, "t", train_rows=20, eval_rows=0, dp=1)))
+    use_constant_tail(trainer, cfg.cosine_constant_lr_ratio, cfg.cosine_min_lr_ratio)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    want = _lrs(cosine_with_constant_tail(_optimizer(0.1), 2, 10, 0.6, 0.1), 10)
+    assert _lrs(trainer.lr_scheduler, 10) == pytest.approx(want, rel=1e-12)
+    assert want[6:] == pytest.approx([0.01] * 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("keys,match", [
+    ({"cosine_constant_lr_ratio": 0.8}, r"cosine_min_lr_ratio=None: the constant tail belongs"),
+    ({"cosine_constant_lr_ratio": 0.8, "cosine_min_lr_ratio": 0.1, "lr_scheduler": "linear"}, "lr_scheduler='linear'"),
+    ({"cosine_constant_lr_ratio": 1.5, "cosine_min_lr_ratio": 0.1}, "write a number between 0 and 1"),
+])
+def test_constant_tail_refusals(tmp_path, data, keys, match):
+    assert re.search(match, _refusal(tmp_path, data, **keys))
+
+
 
 def test_adam_eps_is_accepted_as_axolotl_drops_it(tmp_path, data):
     """`adam_eps` (btlm-ft.yml, next to lr_quadratic_warmup) is not in Axolotl 0.19's schema, whose pydantic model

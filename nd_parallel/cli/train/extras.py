@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity
+from . import diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity, trainer_keys
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -30,7 +30,8 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 
 @dataclass(kw_only=True)
 class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
-                    sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions):  # lisa, relora, ...
+                    sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions,
+                    trainer_keys.TrainerKeyOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -74,9 +75,6 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
     lr_quadratic_warmup: bool = False
     """lr_scheduler: cosine warms up as (step / warmup)^2 instead of linearly (Axolotl's
     get_cosine_schedule_with_quadratic_warmup; schedules.py)."""
-    early_stopping_patience: int | None = None
-    """Stop after this many evaluations without a lower eval loss, then reload the best checkpoint's model
-    (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
     tokenizer_use_mistral_common: bool = False
     """Tokenize with the checkpoint's mistral-common tokenizer (tekken.json / tokenizer.model.v<N>), which renders
     chat_template conversations itself (data/mistral.py). Axolotl turns it on for names with "magistral"."""
@@ -98,6 +96,7 @@ def model_kind_refusals(d: dict, layout) -> list[str]:
 def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = streaming_refusals(d) + objective_refusals(d) + sampling.refusals(d)  # streamed entry; EAFT; grouping
+    out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):
@@ -154,36 +153,9 @@ def _schedule_and_saves(d: dict) -> list[str]:
         if d.get("cosine_min_lr_ratio") is not None:
             out.append("lr_quadratic_warmup with cosine_min_lr_ratio: Axolotl then runs the quadratic warm-up and "
                        "drops the floor (with a warning); keep one of them")
-    out += _early_stopping(d)
     if d.get("save_only_model") is True and d.get("resume_from_checkpoint") == "auto":
         out.append("save_only_model with resume_from_checkpoint: auto (or auto_resume_from_checkpoints): model-only "
                    "checkpoints cannot be resumed, so every restart would start from step 0; drop one of them")
-    return out
-
-
-def _early_stopping(d: dict) -> list[str]:
-    """Axolotl's rules for early_stopping_patience (save_steps and eval_steps set, eval_steps dividing save_steps,
-    which load_best_model_at_end needs), plus what its Trainer would fail on later: an evaluation split to watch,
-    and the best checkpoint's model read back from sharded state, which save_only_model checkpoints lack."""
-    patience = d.get("early_stopping_patience")
-    if patience is None:
-        return []
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-        return [f"early_stopping_patience={patience!r} must be an integer >= 1 (evaluations without improvement)"]
-    out, save, every = [], d.get("save_steps"), d.get("eval_steps")
-    if not save or not every:
-        out.append(f"early_stopping_patience with save_steps={save!r}, eval_steps={every!r}: set both (Axolotl's "
-                   "rule: the best checkpoint must be saved at an evaluation), with eval_steps dividing save_steps")
-    elif isinstance(save, (int, float)) and isinstance(every, (int, float)) and save % every != 0:
-        out.append(f"early_stopping_patience with save_steps={save} not a multiple of eval_steps={every}: make "
-                   "eval_steps divide save_steps (Axolotl's rule: every checkpoint has an evaluation)")
-    if not d.get("val_set_size"):
-        out.append("early_stopping_patience without val_set_size: early stopping watches the evaluation loss; set "
-                   "val_set_size (e.g. 0.05)")
-    if d.get("save_only_model") is True:
-        out.append("early_stopping_patience with save_only_model: the best checkpoint's model is read back from its "
-                   "sharded state, which model-only checkpoints do not have (the Trainer refuses this under FSDP "
-                   "too); drop save_only_model")
     return out
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import grpo, objective, param_groups, restarts, sparsity
+from . import grpo, objective, param_groups, restarts, sparsity, trainer_keys
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -164,7 +164,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         args["eval_steps"] = eval_every
     if save_strategy == "steps":
         args["save_steps"] = save_every or 500
-    if cfg.early_stopping_patience:  # Axolotl: load_best_model_at_end on eval_loss (the Trainer's default metric)
+    if trainer_keys.loads_best(cfg):  # Axolotl: load_best_model_at_end on eval_loss (the Trainer's default metric)
         args["load_best_model_at_end"] = True
     args.update(objective.best_args(cfg))  # save_strategy: best's metric_for_best_model, greater_is_better
     if cfg.curriculum_sampling:  # Axolotl's SequentialSampler; the dp ranks take consecutive parts of each batch

@@ -78,9 +78,6 @@ REFUSED = {
     "merge_lora": "merge after training with peft's merge_and_unload()",
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
-    # features that cannot exist on this stack (text causal LMs, supervised fine-tuning, unquantized or NF4 bases)
-    "cosine_constant_lr_ratio": "the cosine schedule with a constant tail is not implemented: use "
-                                "cosine_min_lr_ratio (a cosine floor)",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
     "nvfp4_merge_aware": "NVFP4 fake-quantized training of a pre-quantized NVFP4 checkpoint's experts is not "
                          "supported (pre-quantized NVFP4 checkpoints are not loaded): use the unquantized checkpoint "

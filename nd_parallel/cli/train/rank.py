@@ -99,7 +99,7 @@ def _model(t: TrainConfig, tokenizer):
 def _adjust(trainer, t: TrainConfig, dp: int) -> None:
     """What Axolotl changes in the Trainer that TrainingArguments cannot say: its optimizer, schedules, data order."""
     from .sampling import use_length_groups
-    from .schedules import use_jagged_restarts, use_muon, use_quadratic_warmup
+    from .schedules import use_constant_tail, use_jagged_restarts, use_muon, use_quadratic_warmup
 
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
         use_muon(trainer, t)
@@ -107,6 +107,8 @@ def _adjust(trainer, t: TrainConfig, dp: int) -> None:
         param_groups.use_param_groups(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         use_quadratic_warmup(trainer)
+    if t.cosine_constant_lr_ratio is not None:  # Axolotl's cosine to the floor, then constant (schedules.py)
+        use_constant_tail(trainer, t.cosine_constant_lr_ratio, t.cosine_min_lr_ratio)
     if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)
         use_jagged_restarts(trainer, t)
     use_length_groups(trainer, t, dp)  # group_by_length (sampling.py)

@@ -10,6 +10,11 @@ betas when both ``adam_beta1`` and ``adam_beta2`` are set and ``adam_epsilon`` w
 LR factor is ``(step / warmup)^2`` instead of ``step / warmup``, then the half cosine down to 0. Axolotl builds it
 in its Trainer's ``create_scheduler`` with ``args.get_warmup_steps`` (warmup_steps, or a share of the steps); the
 rank program gives the Trainer the same ``create_scheduler`` (``use_quadratic_warmup``).
+
+``cosine_constant_lr_ratio`` (with ``cosine_min_lr_ratio`` and ``lr_scheduler: cosine``): Axolotl 0.19's
+``get_cosine_schedule_with_warmup_decay_constant``: after the linear warm-up the half cosine falls from the peak to
+``learning_rate x cosine_min_lr_ratio`` by step ``int(steps x cosine_constant_lr_ratio)`` and stays there
+(``use_constant_tail``). The config stage refuses the combinations Axolotl silently ignores (extras.py).
 """
 
 from __future__ import annotations
@@ -36,21 +41,48 @@ def cosine_with_quadratic_warmup(optimizer, num_warmup_steps: int, num_training_
                                        num_training_steps=num_training_steps))
 
 
-def _create_scheduler(trainer, num_training_steps: int, optimizer=None):
-    """Trainer.create_scheduler with Axolotl's quadratic warm-up (as its SchedulerMixin builds it)."""
-    if trainer.lr_scheduler is None:
-        trainer.lr_scheduler = cosine_with_quadratic_warmup(
-            optimizer if optimizer is not None else trainer.optimizer,
-            num_warmup_steps=trainer.args.get_warmup_steps(num_training_steps), num_training_steps=num_training_steps)
-        trainer._created_lr_scheduler = True  # transformers 5.24: builds it once (create_optimizer_and_scheduler)
-    return trainer.lr_scheduler
+def constant_tail_factor(step: int, *, num_warmup_steps: int, num_training_steps: int, constant_lr_ratio: float,
+                         min_lr_ratio: float, num_cycles: float = 0.5) -> float:
+    """The LR factor at `step` (Axolotl's _get_cosine_schedule_with_warmup_decay_constant_lr_lambda)."""
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    end = int(num_training_steps * constant_lr_ratio)  # the cosine reaches the floor here, then stays
+    progress = float(min(step, end) - num_warmup_steps) / float(max(1, end - num_warmup_steps))
+    return max(0.0, (1 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))) + \
+        min_lr_ratio
+
+
+def cosine_with_constant_tail(optimizer, num_warmup_steps: int, num_training_steps: int, constant_lr_ratio: float,
+                              min_lr_ratio: float) -> LambdaLR:
+    return LambdaLR(optimizer, partial(constant_tail_factor, num_warmup_steps=num_warmup_steps,
+                                       num_training_steps=num_training_steps, constant_lr_ratio=constant_lr_ratio,
+                                       min_lr_ratio=min_lr_ratio))
+
+
+def _use_schedule(trainer, build) -> None:
+    """This Trainer instance builds `build(optimizer, num_warmup_steps, num_training_steps)` in its create_scheduler,
+    as Axolotl's SchedulerMixin does (no class is patched)."""
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = build(optimizer if optimizer is not None else self.optimizer,
+                                      self.args.get_warmup_steps(num_training_steps), num_training_steps)
+            self._created_lr_scheduler = True  # transformers 5.24: builds it once (create_optimizer_and_scheduler)
+        return self.lr_scheduler
+
+    trainer.create_scheduler = types.MethodType(create_scheduler, trainer)
 
 
 def use_quadratic_warmup(trainer) -> None:
-    """This Trainer instance builds Axolotl's cosine schedule with quadratic warm-up (no class is patched)."""
+    """This Trainer instance builds Axolotl's cosine schedule with quadratic warm-up."""
     if trainer.args.lr_scheduler_type != "cosine":  # the config stage refuses it with another schedule
         raise ValueError(f"lr_quadratic_warmup needs lr_scheduler_type='cosine', got {trainer.args.lr_scheduler_type}")
-    trainer.create_scheduler = types.MethodType(_create_scheduler, trainer)
+    _use_schedule(trainer, cosine_with_quadratic_warmup)
+
+
+def use_constant_tail(trainer, constant_lr_ratio: float, min_lr_ratio: float) -> None:
+    """This Trainer instance builds Axolotl's cosine to a floor with a constant tail (cosine_constant_lr_ratio)."""
+    _use_schedule(trainer, partial(cosine_with_constant_tail, constant_lr_ratio=constant_lr_ratio,
+                                   min_lr_ratio=min_lr_ratio))
 
 
 def use_muon(trainer, t) -> None:
