@@ -173,6 +173,30 @@ def test_drop_system_message_and_jinja_file(tmp_path, data):
     assert "sys" not in tok.decode(rows[0]["input_ids"]) and trained == ["</s>yo</s>"]
 
 
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not enable_thinking "
+            "%}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, data):
+    """chat_template_kwargs (Axolotl passes them to apply_chat_template): the template variable changes the
+    rendering, and the answer is still the trained part; set wrong, or with a processor, it is refused."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": turns}) + "\n")
+    keys = {"chat_template": "jinja", "chat_template_jinja": THINKING, "eot_tokens": ["<|im_end|>"],
+            "tokens": ["<|im_end|>", "<|im_start|>"],
+            "datasets": [{"path": str(tmp_path / "c.jsonl"), "type": "chat_template"}]}
+    texts = {}
+    for thinking in (False, True):
+        trained, rows, tok = _trained(tmp_path, data, chat_template_kwargs={"enable_thinking": thinking}, **keys)
+        texts[thinking] = tok.decode(rows[0]["input_ids"])
+        assert trained == ["yo<|im_end|>"], trained
+    assert "<think></think>yo" in texts[False] and "<think>" not in texts[True]
+    for value, match in (([1], "write a mapping of template variables"),
+                         ({"tokenize": True}, "sets tokenize: the rendering itself sets these")):
+        with pytest.raises(ConfigError, match=match):
+            _trained(tmp_path, data, chat_template_kwargs=value, **keys)
+
+
 EXTRAS = """batch_size: 4
 micro_batch_size: 2
 gradient_accumulation_steps: 2

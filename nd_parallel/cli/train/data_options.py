@@ -5,6 +5,8 @@
   here in the parent, naming the count and the fix); samples shorter than ``min_sample_len`` are dropped either way;
 - ``dataset_shard_num`` / ``dataset_shard_idx``: after the datasets are merged (shuffled, deduplicated), only shard
   ``idx`` of ``num`` (``datasets.Dataset.shard``: contiguous blocks) is kept, before the evaluation split.
+- ``chat_template_kwargs``: extra variables for the chat template of ``type: chat_template`` datasets (e.g.
+  ``enable_thinking: false``), passed to ``apply_chat_template`` as Axolotl's ChatTemplatePrompter passes them.
 
 Supervised data; with ``rl`` (TRL's trainers read the pairs / prompts) and with streamed data they are refused.
 """
@@ -14,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STRATEGIES = ("drop", "truncate", "raise")
+# apply_chat_template's own arguments, which the tokenization sets
+RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "chat_template", "return_dict",
+            "continue_final_message"}
 
 
 @dataclass(kw_only=True)
@@ -24,6 +29,9 @@ class DataOptions:
     """Keep one of this many contiguous shards of the merged data (with dataset_shard_idx)."""
     dataset_shard_idx: int | None = None
     """Which shard dataset_shard_num keeps (0-based)."""
+    chat_template_kwargs: dict | None = None
+    """Variables for the chat template of chat_template datasets (e.g. enable_thinking: false), as Axolotl passes
+    them to apply_chat_template."""
 
 
 def refusals(d: dict) -> list[str]:
@@ -39,6 +47,17 @@ def refusals(d: dict) -> list[str]:
         if not ints or num < 1 or not 0 <= idx < num:
             out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
                        "[0, dataset_shard_num)")
+    kwargs = d.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        out.append(f"chat_template_kwargs={kwargs!r}: write a mapping of template variables, e.g. "
+                   "{enable_thinking: false}")
+    elif kwargs and set(kwargs) & RESERVED:
+        out.append(f"chat_template_kwargs sets {', '.join(sorted(set(kwargs) & RESERVED))}: the rendering itself "
+                   "sets these (the conversation, tokenize, the generation prompt); drop them")
+    elif kwargs and (d.get("processor_type") or d.get("tokenizer_use_mistral_common")):
+        key = "processor_type" if d.get("processor_type") else "tokenizer_use_mistral_common"
+        out.append(f"chat_template_kwargs with {key}: the processor's / mistral-common's rendering does not take "
+                   "template variables here; drop chat_template_kwargs")
     used = [k for k in ("dataset_shard_num",) if d.get(k) is not None] + (
         ["excess_length_strategy"] if strategy not in (None, "drop") else [])
     for why, on in (("rl", d.get("rl")), ("streamed data", d.get("streaming") or d.get("pretraining_dataset"))):
@@ -73,3 +92,12 @@ def shard(ds, cfg):
     kept = ds.shard(num_shards=cfg.dataset_shard_num, index=cfg.dataset_shard_idx, contiguous=True)
     return kept, (f"dataset_shard_num={cfg.dataset_shard_num}, dataset_shard_idx={cfg.dataset_shard_idx}: "
                   f"{len(kept)} of {len(ds)} samples kept")
+
+
+def notes(d: dict) -> list[str]:
+    """chat_template_kwargs under rl: Axolotl 0.19 reads it in its supervised chat_template strategy only."""
+    if d.get("chat_template_kwargs") and d.get("rl"):
+        return [f"chat_template_kwargs with rl: {d['rl']}: Axolotl 0.19 passes it to the supervised chat_template "
+                "datasets only, so it changes nothing here either (GRPO's template variables: "
+                "trl.chat_template_kwargs)"]
+    return []

@@ -145,7 +145,7 @@ def _streaming_rules(d: dict) -> list[str]:
 
 def streaming_notes(d: dict) -> list[str]:
     """One line per key read other than as written."""
-    notes = []
+    notes = data_options.notes(d)
     if (d.get("streaming") or d.get("pretraining_dataset")) and d.get("num_epochs") not in (None, 1):
         notes.append(f"num_epochs={d['num_epochs']}: a stream runs for max_steps (as in Axolotl)")
     if d.get("reinit_weights"):

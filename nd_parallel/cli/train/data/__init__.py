@@ -60,7 +60,7 @@ def _fingerprint(cfg, tokenizer) -> str:
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl",
-            "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx")
+            "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx", "chat_template_kwargs")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
     from ..grpo import RL, is_transform, module_file
 
@@ -84,7 +84,7 @@ def _tokenized(spec: DatasetSpec, tokenizer, cfg, cache: str):
         fn = reward_fn(spec, tokenizer, where, cfg.sequence_len)
     else:
         fn = tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
-                         eot_tokens=cfg.eot_tokens)
+                         eot_tokens=cfg.eot_tokens, template_kwargs=cfg.chat_template_kwargs)
     ds = raw.map(fn, batched=True, with_indices=True, remove_columns=raw.column_names,
                  desc=f"tokenizing {spec.path}")
     if spec.type == "pretraining":

@@ -40,8 +40,8 @@ def _with_eos(ids: list[int], tokenizer) -> list[int]:
 
 
 def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, train_on_inputs: bool,
-                eot_tokens: list[str] | None = None):
-    """A batched `map` function (with_indices=True) for `spec.type`."""
+                eot_tokens: list[str] | None = None, template_kwargs: dict | None = None):
+    """A batched `map` function (with_indices=True) for `spec.type`; `template_kwargs` are chat_template_kwargs."""
     if spec.type in ("completion", "pretraining"):
         fix = f"set 'field:' to the column holding the text (now {spec.text_field!r})"
 
@@ -62,7 +62,8 @@ def tokenize_fn(spec: DatasetSpec, tokenizer, where: str, *, sequence_len: int, 
     kind = instructions.parse(spec.type)
     if kind is not None:
         return lambda batch, indices: _instruction(batch, indices, kind, tokenizer, where, train_on_inputs)
-    return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens)
+    kwargs = dict(template_kwargs or {})
+    return lambda batch, indices: _chat(batch, indices, spec, tokenizer, where, train_on_inputs, eot_tokens, kwargs)
 
 
 def _pretokenized(batch, indices, where: str) -> dict:
@@ -130,18 +131,19 @@ def _turns(rec: dict, spec: DatasetSpec, where: str, i: int) -> list[dict]:
     return out
 
 
-def _render(tokenizer, turns: list[dict]) -> str:
-    return tokenizer.apply_chat_template(turns, tokenize=False) if turns else ""
+def _render(tokenizer, turns: list[dict], kwargs: dict) -> str:
+    return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs) if turns else ""
 
 
-def _content_spans(tokenizer, turns: list[dict], full: str, thinking_key: str) -> list[tuple[int, int]]:
+def _content_spans(tokenizer, turns: list[dict], full: str, thinking_key: str,
+                   kwargs: dict) -> list[tuple[int, int]]:
     """Character span of each turn's content in `full`: found inside the text the turn adds to the rendering
     (rendering turns[:t] and turns[:t + 1]), so a content repeated in an earlier turn is not mistaken for it.
     Where the template renders the turn's reasoning (thinking_key) before its content, the span starts there:
     Axolotl trains a trained turn's reasoning with its content."""
     spans = []
     for t, turn in enumerate(turns):
-        seg_start, seg_end = len(_render(tokenizer, turns[:t])), len(_render(tokenizer, turns[:t + 1]))
+        seg_start, seg_end = len(_render(tokenizer, turns[:t], kwargs)), len(_render(tokenizer, turns[:t + 1], kwargs))
         content = str(turn["content"])
         text = content if content in full[seg_start:seg_end] else content.strip()
         at = full.find(text, seg_start, seg_end) if text else -1
@@ -195,7 +197,8 @@ def _labels(ids, offsets, turns, spans, spec: DatasetSpec, train_on_inputs: bool
     return labels
 
 
-def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inputs: bool, eot_tokens) -> dict:
+def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inputs: bool, eot_tokens,
+          kwargs: dict) -> dict:
     if not tokenizer.chat_template:
         raise ConfigError(f"{where}: type: chat_template, but the tokenizer has no chat template; name one "
                           "(chat_template: chatml, llama3, ...), or use 'chat_template: jinja' with "
@@ -205,8 +208,8 @@ def _chat(batch, indices, spec: DatasetSpec, tokenizer, where: str, train_on_inp
     for i, rec in zip(indices, _records(batch)):
         turns = _turns(rec, spec, where, i)
         try:
-            full = _render(tokenizer, turns)
-            spans = _content_spans(tokenizer, turns, full, spec.template_thinking_key)
+            full = _render(tokenizer, turns, kwargs)
+            spans = _content_spans(tokenizer, turns, full, spec.template_thinking_key, kwargs)
         except Exception as err:  # jinja raises its own errors (e.g. roles that must alternate)
             raise ConfigError(f"{where}, record {i}: the chat template refuses this conversation: {err}; fix the "
                               "record or the template") from None

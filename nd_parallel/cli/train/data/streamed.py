@@ -58,7 +58,7 @@ def _record_fn(spec, tokenizer, where: str, cfg):
     if spec.type == "chat_template" and mistral.is_mistral(tokenizer):
         return mistral.chat_fn(spec, tokenizer, where, train_on_inputs=cfg.train_on_inputs)
     return tokenize_fn(spec, tokenizer, where, sequence_len=cfg.sequence_len, train_on_inputs=cfg.train_on_inputs,
-                       eot_tokens=cfg.eot_tokens)
+                       eot_tokens=cfg.eot_tokens, template_kwargs=cfg.chat_template_kwargs)
 
 
 def _rows(stream, fn, cfg, wanted: int, count: dict):
