@@ -45,8 +45,8 @@ def apply_fsdp(
     layers = decoder_layers(model)
     for module in experts:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mesh=expert_mesh))
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    for group in sharing_groups(layers):  # layers that share a parameter (peft's layer_replication) share a group
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=reshard_after_forward, **kwargs)
     # The root keeps embeddings, final norm and lm_head (tied or not) in one group; they are needed first in
     # backward, so they are not resharded after forward.
     fully_shard(model, reshard_after_forward=False, **kwargs)
@@ -59,3 +59,26 @@ def apply_fsdp(
     logger.info("applied %s over %s ranks to %d layers + root%s", kind, "x".join(map(str, dp_mesh.shape)), len(layers),
                 ", parameters offloaded to host memory" if offload_params else "")
     return len(groups)
+
+
+def sharing_groups(layers: list[nn.Module]) -> list[list[nn.Module]]:
+    """The layers in groups of those that hold a common parameter (transitively), in layer order. FSDP2 manages a
+    parameter in one group only, so layers sharing one (peft's layer_replication: the copies share their base
+    weights) are sharded together, ``fully_shard([layer_a, layer_b])``, as FSDP2 asks for shared parameters."""
+    owner: dict[int, int] = {}  # id(parameter) -> the first layer holding it
+    root = list(range(len(layers)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            i = root[i]
+        return i
+
+    for i, layer in enumerate(layers):
+        for param in layer.parameters():
+            j = owner.setdefault(id(param), i)
+            if j != i:
+                root[find(i)] = find(j)
+    groups: dict[int, list[nn.Module]] = {}
+    for i, layer in enumerate(layers):
+        groups.setdefault(find(i), []).append(layer)
+    return list(groups.values())

@@ -67,16 +67,18 @@ def run_parity(root: Path, shared: dict, layouts: dict, dps=(1, 2), variants: di
     return root
 
 
-def run_rows(root: Path, rows: dict, layouts: dict, ref: dict, off: dict | None = None) -> Path:
+def run_rows(root: Path, rows: dict, layouts: dict, ref: dict, off: dict | None = None,
+             only: dict | None = None) -> Path:
     """Several rows in one launch: for each row (name -> its whole YAML mapping) one YAML per layout (name -> sizes,
-    run as ``<row>_<layout>``), its one-process reference ``<row>_ref`` (the row changed by ``ref``, e.g. the global
-    batch as micro_batch_size) and, where ``off`` names the keys that turn the row's feature off, ``<row>_plain``
-    (the reference without them). References and plain runs in one process, the layouts in one launch of 2 ranks."""
+    run as ``<row>_<layout>``; ``only`` maps a row to the layout names it runs under, default all), its one-process
+    reference ``<row>_ref`` (the row changed by ``ref``, e.g. the global batch as micro_batch_size) and, where
+    ``off`` names the keys that turn the row's feature off, ``<row>_plain`` (the reference without them).
+    References and plain runs in one process, the layouts in one launch of 2 ranks."""
     refs, parallel = [], []
     for row, shared in rows.items():
         parallel += [write_yaml(root / f"{row}_{name}.yaml", {**shared, **sizes, "output_dir": str(root / f"{row}_"
                                                                                                    f"{name}")})
-                     for name, sizes in layouts.items()]
+                     for name, sizes in layouts.items() if name in (only or {}).get(row, layouts)]
         refs.append(write_yaml(root / f"{row}_ref.yaml", {**shared, **ref, "output_dir": str(root / f"{row}_ref")}))
         if off and row in off:
             plain = {k: v for k, v in {**shared, **ref, **off[row]}.items() if v is not None}

@@ -17,7 +17,7 @@ from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity, trainer_keys
+from . import adapter_options, diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity, trainer_keys
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -31,7 +31,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 @dataclass(kw_only=True)
 class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
                     sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions,
-                    trainer_keys.TrainerKeyOptions):  # lisa, relora, ...
+                    trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -97,6 +97,7 @@ def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = streaming_refusals(d) + objective_refusals(d) + sampling.refusals(d)  # streamed entry; EAFT; grouping
     out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
+    out += adapter_options.refusals(d)  # peft_trainable_token_indices, peft_layer_replication, ...
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):

@@ -23,7 +23,18 @@ import torch
 from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 
 from ..report import local_state_bytes
-from . import diffusion, grpo, grpo_rank, lm_eval, objective, param_groups, prequantized, restarts, sparsity
+from . import (
+    adapter_options,
+    diffusion,
+    grpo,
+    grpo_rank,
+    lm_eval,
+    objective,
+    param_groups,
+    prequantized,
+    restarts,
+    sparsity,
+)
 from .config import TrainConfig
 from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
@@ -88,7 +99,8 @@ def _model(t: TrainConfig, tokenizer):
             model = get_peft_model(model, LoraConfig(
                 r=t.lora_r, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
                 modules_to_save=t.lora_modules_to_save, task_type=task, **lora_kwargs(t),
-                **objective.adapter_kwargs(t)))
+                **objective.adapter_kwargs(t), **adapter_options.lora_config_kwargs(t)),
+                **adapter_options.peft_model_kwargs(t))
     if undropped and os.environ.get("RANK", "0") == "0":  # Axolotl warns the same
         print(f"[nd_parallel] lora_dropout: {len(undropped)} LoRA layers on fused expert tensors "
               f"({', '.join(sorted(set(undropped)))}) train without dropout (peft cannot apply it there); the "
