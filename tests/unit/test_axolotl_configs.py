@@ -218,7 +218,8 @@ optimizer: paged_adamw_32bit
 
 def test_axolotl_extras_are_acted_on(tmp_path):
     """Each key reaches what the ranks and the Trainer receive (extras.py)."""
-    from nd_parallel.cli.train.extras import embedding_rows, lora_kwargs, model_kwargs
+    from nd_parallel.cli.train.embeddings import rows_wanted as embedding_rows
+    from nd_parallel.cli.train.extras import lora_kwargs, model_kwargs
     from nd_parallel.cli.train.job import trainer_arguments
 
     cfg = load_train_config(_write(tmp_path, EXTRAS), environ={})
@@ -235,6 +236,44 @@ def test_axolotl_extras_are_acted_on(tmp_path):
     assert any(n.startswith("torch_compile_mode='max-autotune': not passed on") for n in cfg.notes)
     plain = load_train_config(_write(tmp_path, "batch_size: 1\n"), environ={})  # 1 = 1 x 1 (Axolotl's defaults)
     assert embedding_rows(plain, 181) == 181 and plain.gradient_accumulation_steps == 1
+
+
+def test_shrink_embeddings_cuts_the_table_to_the_tokenizer(tmp_path):
+    """Axolotl's _resize_token_embeddings: the table grows to the tokenizer's length always, and shrinks to it only
+    with shrink_embeddings (a tied lm_head with it); the kept rows are the old ones."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.cli.train.embeddings import resize
+    from nd_parallel.testing.models import save_tiny_model
+
+    path = save_tiny_model("qwen3", tmp_path / "m", seed=0)  # untied lm_head
+    opts = dict(resize_token_embeddings_to_32x=False, mean_resizing_embeddings=False)
+    for shrink, want in ((False, None), (True, 40)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        have, old = model.get_input_embeddings().num_embeddings, model.get_output_embeddings().weight.clone()
+        resize(model, SimpleNamespace(shrink_embeddings=shrink, **opts), 40)
+        rows = model.get_input_embeddings().num_embeddings
+        assert rows == (want or have) and model.get_output_embeddings().weight.shape[0] == rows
+        assert torch.equal(model.get_output_embeddings().weight, old[:rows])
+    resize(model, SimpleNamespace(shrink_embeddings=False, **opts), 50)  # grown: always
+    assert model.get_input_embeddings().num_embeddings == 50
+    with pytest.raises(ConfigError, match="shrink_embeddings='no'; use true or false"):
+        load_train_config(_write(tmp_path, "shrink_embeddings: 'no'\n"), environ={})
+
+
+def test_fix_untrained_tokens_values(tmp_path):
+    """A list adds token ids; an int is read as Axolotl's train.py reads it (detection only), with a line."""
+    from nd_parallel.cli.train.embeddings import notes
+
+    cfg = load_train_config(_write(tmp_path, "fix_untrained_tokens: [3, 7]\n"), environ={})
+    assert cfg.fix_untrained_tokens == [3, 7] and not notes({"fix_untrained_tokens": [3, 7]})
+    cfg = load_train_config(_write(tmp_path, "fix_untrained_tokens: 5\n"), environ={})
+    assert any(n.startswith("fix_untrained_tokens=5: read as Axolotl 0.19 reads an int") for n in cfg.notes)
+    with pytest.raises(ConfigError, match="fix_untrained_tokens=\\['a'\\]: write true"):
+        load_train_config(_write(tmp_path, "fix_untrained_tokens: [a]\n"), environ={})
 
 
 def test_cosine_min_lr_ratio_is_axolotls_schedule():

@@ -57,3 +57,40 @@ def test_auto_resume_is_resume_from_checkpoint_auto(tmp_path):
     assert load_train_config(tmp_path / "c.yml", environ={}).resume_from_checkpoint == "auto"
     (tmp_path / "c.yml").write_text(json.dumps({**base, "resume_from_checkpoint": str(tmp_path)}))
     assert load_train_config(tmp_path / "c.yml", environ={}).resume_from_checkpoint == str(tmp_path)  # given wins
+
+
+def test_pad_to_multiple_of_pads_as_axolotls_collator_and_changes_no_loss(tmp_path):
+    """Axolotl's collator: the longest row rounded up to the multiple, or sequence_len rounded up with
+    pad_to_sequence_len / packing. The padding is masked: the tiny model's loss is the same padded or not."""
+    import torch
+
+    from nd_parallel.cli.train.data.collate import Collator
+    from nd_parallel.cli.train.data_options import padding
+    from nd_parallel.testing.models import save_tiny_model
+
+    t = SimpleNamespace(pad_to_multiple_of=16, sequence_len=100, pad_to_sequence_len=False, sample_packing=False)
+    assert padding(t) == (None, 16)
+    t.pad_to_sequence_len = True
+    assert padding(t) == (112, 16)
+    t.pad_to_multiple_of = None
+    assert padding(t) == (100, None)
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, 4, 5]}]
+    plain, padded = Collator(0)(rows), Collator(0, multiple=16)(rows)
+    assert plain["input_ids"].shape == (2, 5) and padded["input_ids"].shape == (2, 16)
+    assert padded["attention_mask"][1].tolist() == [1] * 3 + [0] * 13 and (padded["labels"][:, 5:] == -100).all()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "m", seed=0), dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**padded).loss, model(**plain).loss, rtol=1e-6, atol=0)
+
+
+def test_pad_to_multiple_of_config(tmp_path):
+    base = {"base_model": "./m", "datasets": [{"path": "d.jsonl", "type": "completion"}]}
+    (tmp_path / "c.yml").write_text(json.dumps({**base, "pad_to_multiple_of": 0}))
+    with pytest.raises(ConfigError, match="pad_to_multiple_of=0: write an integer >= 1"):
+        load_train_config(tmp_path / "c.yml", environ={})
+    dpo = {"datasets": [{"path": "d.jsonl", "type": "chatml.intel"}], "rl": "dpo"}
+    (tmp_path / "c.yml").write_text(json.dumps({**base, "pad_to_multiple_of": 8, **dpo}))
+    cfg = load_train_config(tmp_path / "c.yml", environ={})
+    assert any(n.startswith("pad_to_multiple_of: these batches are padded by TRL") for n in cfg.notes), cfg.notes

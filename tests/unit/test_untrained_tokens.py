@@ -92,8 +92,9 @@ def setup(tmp_path_factory):
     seen = {0: [10, 10, 0, 13], 5: [10, 11, 14], 40: [16, 15, 10], 299: [10]}
     cases = [  # name, model, tokenizer size, token_ids, frozen, rows, the ids changed
         ("int", "untied", 60, None, False, _rows(300, seen), [10, 11, 13, 14, 16]),
-        ("list", "untied", 60, [22, 20, 10, 12, 21], False, _rows(300, {**seen, 7: [20, 21, 22, 22], 8: [22]}),
-         [10, 11, 13, 14, 16, 20, 21, 22]),
+        # listed rows that are not zero, 45 and 50 past the set's first slots: the sums' order is not ascending
+        ("list", "untied", 60, [22, 45, 20, 50, 10, 12, 21], False,
+         _rows(300, {**seen, 7: [20, 21, 22, 22], 8: [22]}), [10, 11, 13, 14, 16, 20, 21, 22, 45, 50]),
         ("tied", "tied", 60, None, False, _rows(50, {3: [10, 10, 11], 9: [0, 10]}), [10, 11]),
         ("none_seen", "untied", 60, None, False, _rows(300, {4: [0, 15]}), []),
         ("middle_only", "untied", 60, None, False, _rows(600, {300: [10, 13]}), []),

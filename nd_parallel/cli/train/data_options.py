@@ -5,6 +5,9 @@
   here in the parent, naming the count and the fix); samples shorter than ``min_sample_len`` are dropped either way;
 - ``dataset_shard_num`` / ``dataset_shard_idx``: after the datasets are merged (shuffled, deduplicated), only shard
   ``idx`` of ``num`` (``datasets.Dataset.shard``: contiguous blocks) is kept, before the evaluation split.
+- ``pad_to_multiple_of``: supervised batches are padded to a multiple of it (their longest row rounded up; with
+  ``pad_to_sequence_len`` or packing, ``sequence_len`` rounded up), as Axolotl's collator pads them. Padding is
+  masked, so the loss is the same; only what reads the padded length (NEFTune's scale) sees it;
 - ``chat_template_kwargs``: extra variables for the chat template of ``type: chat_template`` datasets (e.g.
   ``enable_thinking: false``), passed to ``apply_chat_template`` as Axolotl's ChatTemplatePrompter passes them.
 
@@ -13,6 +16,7 @@ Supervised data; with ``rl`` (TRL's trainers read the pairs / prompts) and with 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 STRATEGIES = ("drop", "truncate", "raise")
@@ -29,6 +33,9 @@ class DataOptions:
     """Keep one of this many contiguous shards of the merged data (with dataset_shard_idx)."""
     dataset_shard_idx: int | None = None
     """Which shard dataset_shard_num keeps (0-based)."""
+    pad_to_multiple_of: int | None = None
+    """Pad each supervised batch to a multiple of this many tokens (sequence_len rounded up with
+    pad_to_sequence_len or packing), as Axolotl's collator does."""
     chat_template_kwargs: dict | None = None
     """Variables for the chat template of chat_template datasets (e.g. enable_thinking: false), as Axolotl passes
     them to apply_chat_template."""
@@ -47,6 +54,9 @@ def refusals(d: dict) -> list[str]:
         if not ints or num < 1 or not 0 <= idx < num:
             out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
                        "[0, dataset_shard_num)")
+    multiple = d.get("pad_to_multiple_of")
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        out.append(f"pad_to_multiple_of={multiple!r}: write an integer >= 1 (tokens)")
     kwargs = d.get("chat_template_kwargs")
     if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
         out.append(f"chat_template_kwargs={kwargs!r}: write a mapping of template variables, e.g. "
@@ -95,9 +105,24 @@ def shard(ds, cfg):
 
 
 def notes(d: dict) -> list[str]:
-    """chat_template_kwargs under rl: Axolotl 0.19 reads it in its supervised chat_template strategy only."""
+    """chat_template_kwargs under rl: Axolotl 0.19 reads it in its supervised chat_template strategy only.
+    pad_to_multiple_of where TRL's or a processor's collator pads the batches."""
+    out = []
     if d.get("chat_template_kwargs") and d.get("rl"):
-        return [f"chat_template_kwargs with rl: {d['rl']}: Axolotl 0.19 passes it to the supervised chat_template "
-                "datasets only, so it changes nothing here either (GRPO's template variables: "
-                "trl.chat_template_kwargs)"]
-    return []
+        out.append(f"chat_template_kwargs with rl: {d['rl']}: Axolotl 0.19 passes it to the supervised chat_template "
+                   "datasets only, so it changes nothing here either (GRPO's template variables: "
+                   "trl.chat_template_kwargs)")
+    other = d.get("rl") or d.get("processor_type") or d.get("reward_model") or d.get("process_reward_model")
+    if d.get("pad_to_multiple_of") and other:
+        out.append("pad_to_multiple_of: these batches are padded by TRL's / the processor's collator here, to their "
+                   "longest row; padding is masked, so the loss is the same")
+    return out
+
+
+def padding(t) -> tuple[int | None, int | None]:
+    """(the length every batch is padded to, or None; the multiple a batch's longest row is rounded up to)."""
+    multiple = t.pad_to_multiple_of
+    pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
+    if pad_to and multiple:
+        pad_to = multiple * math.ceil(pad_to / multiple)
+    return pad_to, multiple

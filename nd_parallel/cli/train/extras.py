@@ -3,7 +3,7 @@ cosine floor and quadratic warm-up (schedules.py), model-only checkpoints, the e
 options, the hub revision, the MoE experts kernel, quantized MoE expert tensors and exact deduplication of the data.
 
 ``AxolotlExtras`` holds them (TrainConfig inherits it); ``extra_refusals`` checks them in the config stage (into
-its one message); ``model_kwargs`` / ``lora_kwargs`` / ``embedding_rows`` / ``scheduler_args`` are what the ranks
+its one message); ``model_kwargs`` / ``lora_kwargs`` / ``scheduler_args`` are what the ranks
 and the Trainer receive; ``check_installed`` stops a run whose optimizer's package is missing before any rank
 starts.
 """
@@ -11,13 +11,23 @@ starts.
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from nd_parallel.config import ConfigError
 
-from . import adapter_options, diffusion, grpo, lm_eval, prequantized, restarts, sampling, sparsity, trainer_keys
+from . import (
+    adapter_options,
+    diffusion,
+    embeddings,
+    grpo,
+    lm_eval,
+    prequantized,
+    restarts,
+    sampling,
+    sparsity,
+    trainer_keys,
+)
 from .data import mistral
 from .multimodal import MultimodalOptions, multimodal_refusals
 from .objective import ObjectiveOptions, objective_notes, objective_refusals
@@ -31,7 +41,8 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 @dataclass(kw_only=True)
 class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions, RewardOptions,
                     sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions,
-                    trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions):  # lisa, relora, ...
+                    trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions,
+                    embeddings.EmbeddingOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -97,7 +108,7 @@ def extra_refusals(d: dict) -> list[str]:
     """Check the keys above in the YAML mapping `d` (and set what they imply, in place); refusal lines."""
     out = streaming_refusals(d) + objective_refusals(d) + sampling.refusals(d)  # streamed entry; EAFT; grouping
     out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
-    out += adapter_options.refusals(d)  # peft_trainable_token_indices, peft_layer_replication, ...
+    out += adapter_options.refusals(d) + embeddings.refusals(d)  # peft's pass-through options, shrink_embeddings
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):
@@ -242,7 +253,7 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
-    return [note for note in notes if note] + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
+    return [note for note in notes if note] + embeddings.notes(d) + streaming_notes(d) + objective_notes(d) + lm_eval.note(d) + \
         sparsity.notes(d) + diffusion.notes(d) + grpo.notes(d) + sampling.note(d)
 
 
@@ -315,11 +326,6 @@ def lora_kwargs(t: AxolotlExtras) -> dict[str, Any]:
     if t.lora_target_parameters:
         out["target_parameters"] = list(t.lora_target_parameters)
     return out
-
-
-def embedding_rows(t: AxolotlExtras, tokenizer_len: int) -> int:
-    """Rows the input embeddings need (Axolotl's _resize_token_embeddings: grown only, never shrunk)."""
-    return math.ceil(tokenizer_len / 32) * 32 if t.resize_token_embeddings_to_32x else tokenizer_len
 
 
 def scheduler_args(t: Any) -> dict[str, Any]:

@@ -25,7 +25,9 @@ from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 from ..report import local_state_bytes
 from . import (
     adapter_options,
+    data_options,
     diffusion,
+    embeddings,
     grpo,
     grpo_rank,
     lm_eval,
@@ -36,7 +38,7 @@ from . import (
     sparsity,
 )
 from .config import TrainConfig
-from .extras import attention_for, embedding_rows, lora_kwargs, model_kwargs
+from .extras import attention_for, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
 
 
@@ -70,10 +72,7 @@ def _model(t: TrainConfig, tokenizer):
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
-    rows = embedding_rows(t, len(tokenizer))  # resize_token_embeddings_to_32x rounds up to a multiple of 32
-    if rows > model.get_input_embeddings().num_embeddings:  # special_tokens / tokens added new ids
-        # Axolotl passes mean_resizing (default False: transformers' own default, True, starts the new rows elsewhere)
-        model.resize_token_embeddings(rows, mean_resizing=t.mean_resizing_embeddings)
+    embeddings.resize(model, t, len(tokenizer))  # added tokens, resize_token_embeddings_to_32x, shrink_embeddings
     if t.liger:
         _apply_liger(model, t.liger)
     if t.qat:  # after loading and resizing, before the adapter and the layout (Axolotl's order; models/qat.py)
@@ -252,7 +251,10 @@ def _run_train(job: TrainJob) -> dict:
     train_ds, eval_ds, tokenizer = load_prepared(job.prepared)
     layout = NDParallelCallback(job.layout)  # before the Trainer builds its Accelerator
     model = _model(t, tokenizer)
-    pad_to = t.sequence_len if t.pad_to_sequence_len or t.sample_packing else None
+    fixed = embeddings.fix_untrained(model, t, tokenizer, train_ds)  # fix_untrained_tokens: whole rows, every rank
+    if fixed and os.environ.get("RANK", "0") == "0":
+        print(f"[nd_parallel] fix_untrained_tokens: rows of tokens {fixed} set from the trained rows' mean", flush=True)
+    pad_to, multiple = data_options.padding(t)  # pad_to_sequence_len / sample_packing, pad_to_multiple_of
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # TRL's GRPOTrainer on prompts (grpo.py), or its DPO / KTO / ORPO trainers on preferences (preference.py)
@@ -260,7 +262,7 @@ def _run_train(job: TrainJob) -> dict:
     elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
         trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
-        collator = Collator(tokenizer.pad_token_id, pad_to)
+        collator = Collator(tokenizer.pad_token_id, pad_to, multiple)
         if t.processor_type:  # images: each rank processes its own rows at collate time (data/mm_collate.py)
             from .data.mm_collate import MultimodalCollator
             from .data.mm_rows import load_prepared_processor

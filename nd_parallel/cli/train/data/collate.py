@@ -15,9 +15,12 @@ class Collator:
     pad_id: int
     pad_to: int | None = None
     """Pad every batch to this length (pad_to_sequence_len / sample_packing), else to its longest row."""
+    multiple: int | None = None
+    """The longest row's length rounded up to a multiple of this (pad_to_multiple_of)."""
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        length = self.pad_to or max(len(r["input_ids"]) for r in rows)
+        longest = max(len(r["input_ids"]) for r in rows)
+        length = self.pad_to or (-(-longest // self.multiple) * self.multiple if self.multiple else longest)
         packed = "position_ids" in rows[0]
         out = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
         for r in rows:
