@@ -1,5 +1,5 @@
 """`save_only_model`, `early_stopping_patience` and `load_best_model_at_end` through nd_parallel's checkpoints under
-FSDP2 (2 CPU ranks, one launch for the three runs, built exactly as `nd-parallel train` builds them).
+FSDP2 (2 CPU ranks, one launch for the four runs, built exactly as `nd-parallel train` builds them).
 
 - save_only_model: every checkpoint-N is the model alone, gathered whole (config.json + model.safetensors, the
   tokenizer): no sharded state, no optimizer, scheduler or RNG file; it loads with from_pretrained and holds the
@@ -8,6 +8,8 @@ FSDP2 (2 CPU ranks, one launch for the three runs, built exactly as `nd-parallel
   model saved at the end is the best checkpoint's (its sharded state exported offline), not the last one's.
 - load_best_model_at_end (no early stopping): every step runs, and the model saved at the end is the best
   checkpoint's.
+- dynamic_checkpoint: a trigger file in output_dir makes every rank save a checkpoint at the next multiple of
+  check_interval (the file is removed), and only then, with its sharded (resumable) state.
 """
 
 import json
@@ -40,7 +42,13 @@ def runs(tmp_path_factory):
                    learning_rate=0.05),
              # load_best_model_at_end without early stopping: all the steps, then the best checkpoint's model
              _yaml(root, data, "best_at_end", load_best_model_at_end=True, val_set_size=0.25, eval_steps=1,
-                   save_steps=1, learning_rate=0.05)]
+                   save_steps=1, learning_rate=0.05),
+             # dynamic_checkpoint: the trigger file is there from the start, looked for every 3 steps
+             _yaml(root, data, "dynamic", dynamic_checkpoint={"enabled": True, "check_interval": 3},
+                   learning_rate=1e-3)]
+    trigger = root / "out" / "dynamic" / "axolotl_checkpoint.save"
+    trigger.parent.mkdir(parents=True)
+    trigger.touch()
     jobs = jobs_for(paths, root / "work", nproc=2)
     run_jobs(jobs, root / "work", nproc=2)
     return root, {job.name: job for job in jobs}
@@ -108,3 +116,12 @@ def test_the_best_checkpoint_is_the_final_model(runs, tmp_path, name):
     final = _tensors(out)
     assert _same(final, _tensors(tmp_path / str(best)))  # the best checkpoint's model, read back under FSDP2
     assert not _same(final, _tensors(tmp_path / str(last)))
+
+
+def test_a_trigger_file_saves_one_checkpoint(runs):
+    root, jobs = runs
+    out = Path(jobs["dynamic"].train.output_dir)
+    assert not (out / "axolotl_checkpoint.save").exists()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert (out / "checkpoint-3" / "nd_parallel").is_dir()  # the sharded state: a resumable checkpoint
+    assert [r["step"] for r in logged(out)] == list(range(1, MAX_STEPS + 1))

@@ -457,3 +457,22 @@ def test_lora_dropout_with_parameter_targets_is_refused_in_the_config_stage(tmp_
     with pytest.raises(ConfigError, match=r"lora_dropout=0.05 with lora_target_parameters: .*set lora_dropout: 0"):
         load_train_config(_write(tmp_path, head + "lora_dropout: 0.05\n"), environ={})
     assert load_train_config(_write(tmp_path, head + "lora_dropout: 0\n"), environ={}).lora_target_parameters
+
+
+def test_selective_checkpointing_and_same_math_keys(tmp_path):
+    """selective_checkpointing with gradient_checkpointing is nd_parallel's selective mode (one line); without it,
+    nothing is checkpointed (Axolotl's meaning, one line). Kernel / loader keys of the same math: one line each."""
+    cfg = load_train_config(_write(tmp_path, "gradient_checkpointing: true\nselective_checkpointing: true\n"),
+                            environ={})
+    assert cfg.parallel.activation_checkpointing == "selective"
+    cfg = load_train_config(_write(tmp_path, "selective_checkpointing: {save: [attention]}\n"), environ={})
+    assert cfg.parallel.activation_checkpointing is None
+    assert any(n.startswith("selective_checkpointing without gradient_checkpointing") for n in cfg.notes)
+    with pytest.raises(ConfigError, match="selective_checkpointing=3: write true"):
+        load_train_config(_write(tmp_path, "gradient_checkpointing: true\nselective_checkpointing: 3\n"), environ={})
+    keys = ("ring_attn_func: varlen_llama3\nheads_k_stride: 1\nsdpa_varlen: true\nqlora_sharded_model_loading: true\n"
+            "generate_samples: true\nembeddings_skip_upcast: true\n")
+    notes = load_train_config(_write(tmp_path, keys), environ={}).notes
+    for key in ("ring_attn_func", "heads_k_stride", "sdpa_varlen", "qlora_sharded_model_loading", "generate_samples",
+                "embeddings_skip_upcast"):
+        assert sum(n.startswith(f"{key}: ") for n in notes) == 1, (key, notes)

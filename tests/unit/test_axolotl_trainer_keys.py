@@ -363,3 +363,32 @@ def test_use_ray_starts_ray_num_workers_ranks(tmp_path, data):
     assert resolve_train_layout(cfg, "c.yml", 2, cpu=True)[1] == 2  # --nproc wins
     assert "ray_num_workers=0: write an integer >= 1" in _refusal(tmp_path, data, use_ray=True, ray_num_workers=0)
     assert "one accelerator each" in _refusal(tmp_path, data, use_ray=True, resources_per_worker={"GPU": 2})
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"enabled": True, "every": 3}, "write a mapping of enabled, check_interval, trigger_file_path"),
+    ({"enabled": True, "check_interval": 0}, "check_interval=0: write an integer >= 1"),
+    ({"enabled": True, "trigger_file_path": "a/b.save"}, "write a file name"),
+])
+def test_dynamic_checkpoint_refusals(tmp_path, data, value, match):
+    assert re.search(match, _refusal(tmp_path, data, dynamic_checkpoint=value))
+
+
+def test_dynamic_checkpoint_callback_saves_when_the_file_appears(tmp_path, data):
+    """One process: at a multiple of check_interval the file is consumed and control.should_save is set."""
+    from types import SimpleNamespace
+
+    from nd_parallel.cli.train.callbacks import watchdog
+    from nd_parallel.cli.train.trigger_save import TriggerSave
+
+    cfg = _config(tmp_path, data, dynamic_checkpoint={"enabled": True, "check_interval": 2,
+                                                      "trigger_file_path": "now.save"})
+    [callback] = [c for c in watchdog(cfg) if isinstance(c, TriggerSave)]
+    args, control = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(should_save=False)
+    (tmp_path / "now.save").touch()
+    for step, saves in ((1, False), (2, True)):
+        control.should_save = False
+        callback.on_step_end(args, SimpleNamespace(global_step=step, is_world_process_zero=True), control)
+        assert control.should_save is saves
+    assert not (tmp_path / "now.save").exists()
+    assert watchdog(_config(tmp_path, data, dynamic_checkpoint={"enabled": False})) == []

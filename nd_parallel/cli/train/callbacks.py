@@ -152,11 +152,15 @@ class LossWatchdog(TrainerCallback):
 
 
 def watchdog(t) -> list:
-    """[LossWatchdog] when the YAML sets loss_watchdog_threshold, [EarlyStoppingCallback] with
+    """[LossWatchdog] when the YAML sets loss_watchdog_threshold, [TriggerSave] with dynamic_checkpoint,
+    [EarlyStoppingCallback] with
     early_stopping_patience (as Axolotl adds it; the Trainer reloads the best checkpoint at the end)."""
     from transformers import EarlyStoppingCallback
 
+    from .trigger_save import callbacks as trigger_save
+
     out = [LossWatchdog(t.loss_watchdog_threshold, t.loss_watchdog_patience)] if t.loss_watchdog_threshold else []
+    out += trigger_save(t)  # dynamic_checkpoint: a checkpoint when output_dir/<file> appears
     return out + ([EarlyStoppingCallback(t.early_stopping_patience)] if t.early_stopping_patience else [])
 
 

@@ -192,7 +192,7 @@ _NOT_KEYS = {"parallel", "unused", "datasets", "notes", "liger", "attn_implement
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)} - _NOT_KEYS
 # MAPPED: read by equivalents.py (keys.KERNEL_KEYS: fused kernels of the same computation, one line each)
 MAPPED = {"attn_implementation", "deepspeed", *ALIASES, "plugins", "fsdp", *keys.KERNEL_KEYS, "bfloat16", "float16",
-          "torch_compile_mode", "gemma4_hybrid_attn_impl", "accelerator_config"}
+          "torch_compile_mode", "gemma4_hybrid_attn_impl", "accelerator_config", "selective_checkpointing"}
 EXTRA_PARALLEL = {"sequence_parallel_degree": "cp_size", "fsdp": None, "fsdp_version": None, "fsdp_config": None,
                   "tiled_mlp_use_original_mlp": None}
 TRAIN_KEYS = frozenset(_FIELDS | {"datasets", "dataset_path"})
@@ -322,7 +322,7 @@ def _mapped(data: dict, plugin_keys: dict) -> Mapped:
     out = Mapped().add(equivalents.attention(data)).add(equivalents.checkpointing_kwargs(
         data.get("gradient_checkpointing_kwargs"))).add(equivalents.fsdp_list(data.get("fsdp")))
     out.add(equivalents.deepspeed(data)).add(equivalents.plugins(data, plugin_keys)).add(
-        equivalents.accelerator_config(data))
+        equivalents.accelerator_config(data)).add(equivalents.selective_checkpointing(data))
     for key in keys.KERNEL_KEYS:
         if data.get(key):
             out.notes.append(f"{key}: fused CUDA kernels of the same computation; not applied by nd-parallel train")

@@ -120,6 +120,27 @@ def checkpointing_kwargs(value: Any) -> Mapped:
     return out
 
 
+def selective_checkpointing(data: dict) -> Mapped:
+    """Axolotl's selective_checkpointing (true, or {save: [ops], save_sliding_window, recompute_layer_types}): within
+    each checkpointed layer, keep some ops' outputs instead of recomputing them. nd_parallel's selective mode keeps
+    the matmul and attention outputs of each checkpointed layer. Recomputation gives the same values, so either
+    choice trains the same numbers; only memory differs."""
+    out, value = Mapped(), data.get("selective_checkpointing")
+    if value in (None, False):
+        return out
+    if not (value is True or isinstance(value, dict)):
+        out.refused.append(f"selective_checkpointing={value!r}: write true, or a mapping such as {{save: [attention]}}")
+    elif not data.get("gradient_checkpointing"):
+        out.notes.append("selective_checkpointing without gradient_checkpointing: it applies within checkpointed "
+                         "layers (Axolotl's meaning), so nothing is checkpointed; set gradient_checkpointing: true")
+    else:
+        out.settings["activation_checkpointing"] = "selective"
+        out.notes.append("selective_checkpointing: each checkpointed layer keeps its matmul and attention outputs "
+                         "(activation_checkpointing: selective); the ops named in save are not chosen one by one. "
+                         "Recomputation gives the same values, so training is the same; only memory differs")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- FSDP1 list
 def fsdp_list(value: Any) -> Mapped:
     """Axolotl/accelerate's FSDP1 list form, e.g. [full_shard, auto_wrap, offload]."""

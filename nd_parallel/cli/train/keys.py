@@ -120,6 +120,37 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
                                    "the same values, the full logits never held)",
           "chunked_cross_entropy_num_chunks": "not read: the chunk size is loss_chunk_size (tokens per chunk; "
                                               "default auto)",
+          # kernels, compilers and loaders of the same math (memory or speed only): the numbers are the same
+          "ring_attn_func": "ring-flash-attn's CUDA kernel variant for Axolotl's sequence parallelism; "
+                            "context_parallel_size runs nd_parallel's own ring attention here, the same attention",
+          "heads_k_stride": "ring-flash-attn's K-head stride (how its CUDA kernel groups heads); nd_parallel's ring "
+                            "passes whole K/V blocks, the same attention",
+          "sdpa_varlen": "a CUDA varlen kernel for packed rows; packed rows attend within their own samples here "
+                         "through a block-diagonal mask, the same attention",
+          "large_head_attention": "a kernel choice for head_dim > 256 (Triton flash or SDPA); SDPA here, the same "
+                                  "attention",
+          "flash_attn_d512": "Axolotl's deprecated switch for a Triton kernel (large_head_attention: auto); SDPA "
+                             "here, the same attention",
+          "flash_optimum": "BetterTransformer's fused kernels (optimum) of the same computation; not applied",
+          "torch_compile_options": "inductor flags for torch_compile; not passed on (the same math, kernels tuned "
+                                   "otherwise)",
+          "deepcompile": "DeepSpeed's compiler for its ZeRO engine (deepspeed: jsons map onto FSDP2 here); not "
+                         "applied, the same math",
+          "embeddings_skip_upcast": "memory only: Axolotl then keeps a PEFT run's embeddings in half precision; the "
+                                    "ranks here hold fp32 master weights, and a frozen embedding's values are the "
+                                    "checkpoint's either way",
+          "qlora_sharded_model_loading": "memory only (answer.ai's sharded QLoRA loading for FSDP): the ranks here "
+                                         "quantize tensor by tensor as they load, never holding the whole model",
+          "float32": "read by Axolotl 0.19 in its sharded QLoRA loader only; the weights' dtype follows bf16 / fp16 "
+                     "there and here (the ranks' master weights are fp32)",
+          "layer_offloading": "memory only (parameters moved to host memory between uses; the same numbers): not "
+                              "applied here; with dp_shard_size, fsdp_offload_params does it (FSDP2's "
+                              "CPUOffloadPolicy)",
+          # logging, not training
+          "generate_samples": "Axolotl's sample generation for the logs is not run here (training is the same)",
+          **{k: "belongs to generate_samples (not run here)" for k in (
+              "num_generation_samples", "generation_max_new_tokens", "generation_temperature", "generation_top_k",
+              "generation_top_p", "generation_prompt_ratio", "generation_do_sample")},
           # an evaluation, not training
           "do_bench_eval": "Axolotl's multiple-choice benchmark at each evaluation is not run here (training is the "
                            "same); evaluate the saved model afterwards",
