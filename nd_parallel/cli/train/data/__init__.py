@@ -60,7 +60,8 @@ def _fingerprint(cfg, tokenizer) -> str:
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     keys = ("sequence_len", "sample_packing", "eval_sample_packing", "train_on_inputs", "val_set_size", "seed",
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl",
-            "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx", "chat_template_kwargs")
+            "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx", "chat_template_kwargs", "use_pose",
+            "pose_max_context_len", "pose_split_on_token_ids", "pose_num_chunks")
     state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
     from ..grpo import RL, is_transform, module_file
 
@@ -186,6 +187,9 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     merged, line = shard(merged, cfg)  # dataset_shard_num / dataset_shard_idx, before the split as in Axolotl
     lines += [line] if line else []
     train, evals = _split(merged, cfg)
+    from ..pose import apply as pose
+
+    train, evals = pose(train, evals, cfg)  # use_pose: position ids with random skips (PoSE)
     eval_packing = cfg.sample_packing if cfg.eval_sample_packing is None else cfg.eval_sample_packing
     if cfg.sample_packing:
         train = train.map(pack_fn(cfg.sequence_len), batched=True, batch_size=1000, desc="packing")

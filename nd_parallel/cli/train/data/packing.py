@@ -1,6 +1,7 @@
 """Sample packing: whole samples laid back to back in rows of at most sequence_len tokens.
 
-Each sample keeps its own position ids (0, 1, ... restarting at every sample), and there is no attention mask:
+Each sample keeps its own position ids (0, 1, ... restarting at every sample; PoSE's skipped ones where use_pose gave
+them), and there is no attention mask:
 transformers' masks, nd_parallel's ring attention (CP) and pipeline stages (PP) read the restarts as document
 boundaries, so attention stays inside a sample. A sample's first label is ignored (-100): it would otherwise be
 predicted from the previous sample's last token. In a sample of its own it is never predicted either (the loss
@@ -18,14 +19,15 @@ def pack_fn(sequence_len: int):
     def pack(batch):
         out = {"input_ids": [], "labels": [], "position_ids": []}
         row = {k: [] for k in out}
-        for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        given = batch.get("position_ids") or [None] * len(batch["input_ids"])  # PoSE's (pose.py), if any
+        for ids, labels, positions in zip(batch["input_ids"], batch["labels"], given):
             if row["input_ids"] and len(row["input_ids"]) + len(ids) > sequence_len:
                 for k in out:
                     out[k].append(row[k])
                 row = {k: [] for k in out}
             row["input_ids"] += ids
             row["labels"] += [IGNORE_INDEX] + list(labels[1:])
-            row["position_ids"] += list(range(len(ids)))
+            row["position_ids"] += list(positions) if positions is not None else list(range(len(ids)))
         if row["input_ids"]:
             for k in out:
                 out[k].append(row[k])
