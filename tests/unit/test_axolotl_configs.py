@@ -471,8 +471,10 @@ def test_selective_checkpointing_and_same_math_keys(tmp_path):
     with pytest.raises(ConfigError, match="selective_checkpointing=3: write true"):
         load_train_config(_write(tmp_path, "gradient_checkpointing: true\nselective_checkpointing: 3\n"), environ={})
     keys = ("ring_attn_func: varlen_llama3\nheads_k_stride: 1\nsdpa_varlen: true\nqlora_sharded_model_loading: true\n"
-            "generate_samples: true\nembeddings_skip_upcast: true\n")
+            "generate_samples: true\nembeddings_skip_upcast: true\nmerge_lora: true\nadam_beta3: 0.99\n"
+            "multipack_real_batches: true\nauto_find_batch_size: true\nqgalore_rank: 8\n")
     notes = load_train_config(_write(tmp_path, keys), environ={}).notes
     for key in ("ring_attn_func", "heads_k_stride", "sdpa_varlen", "qlora_sharded_model_loading", "generate_samples",
-                "embeddings_skip_upcast"):
+                "embeddings_skip_upcast", "merge_lora", "adam_beta3", "multipack_real_batches", "auto_find_batch_size",
+                "qgalore_rank"):
         assert sum(n.startswith(f"{key}: ") for n in notes) == 1, (key, notes)

@@ -362,7 +362,8 @@ def test_use_ray_starts_ray_num_workers_ranks(tmp_path, data):
     cfg = _config(tmp_path, data, use_ray=True, ray_num_workers=4, dp_shard_size=-1)
     assert resolve_train_layout(cfg, "c.yml", 2, cpu=True)[1] == 2  # --nproc wins
     assert "ray_num_workers=0: write an integer >= 1" in _refusal(tmp_path, data, use_ray=True, ray_num_workers=0)
-    assert "one accelerator each" in _refusal(tmp_path, data, use_ray=True, resources_per_worker={"GPU": 2})
+    notes = _config(tmp_path, data, use_ray=True, resources_per_worker={"GPU": 2}).notes
+    assert any(n.startswith("resources_per_worker: Ray's per-worker resources") for n in notes), notes
 
 
 @pytest.mark.parametrize("value,match", [

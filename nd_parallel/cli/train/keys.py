@@ -74,8 +74,6 @@ REFUSED = {
     "dpo_norm_loss": "no longer in TRL (Axolotl 0.19 refuses it too); dpo_loss_type: sigmoid_norm is the "
                      "length-normalized sigmoid loss",
     "test_datasets": "use val_set_size to hold out part of datasets:",
-    "lora_on_cpu": "drop it: the base model is already loaded on CPU ranks when there is no GPU",
-    "merge_lora": "merge after training with peft's merge_and_unload()",
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
@@ -92,8 +90,6 @@ REFUSED = {
            + _PLUGIN,
     "fp8_enable_fsdp_float8_all_gather": "belongs to fp8 (FSDP2 all-gathers the FP8 weights), not applied: drop it "
                                          "with fp8",
-    "resources_per_worker": "Ray's per-worker resources: nd-parallel train starts its own ranks (use_ray), one "
-                            "accelerator each (or one CPU process); drop it",
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
 }
 
@@ -146,6 +142,33 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "layer_offloading": "memory only (parameters moved to host memory between uses; the same numbers): not "
                               "applied here; with dp_shard_size, fsdp_offload_params does it (FSDP2's "
                               "CPUOffloadPolicy)",
+          # read with another optimizer only: Axolotl passes them to CAME / Dion / Q-GaLore / GaLore, whose optimizer
+          # values are refused here with the alternative; with this run's optimizer they change nothing there either
+          **{k: "read by Axolotl with optimizer: came_pytorch only (refused here); no effect with this run's "
+                "optimizer, there either" for k in ("adam_beta3", "adam_epsilon2")},
+          **{k: "read by Axolotl with optimizer: dion only (refused here); no effect with this run's optimizer, "
+                "there either" for k in ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_of")},
+          **{k: "read by Axolotl with optimizer: q_galore_adamw8bit only (refused here); no effect with this run's "
+                "optimizer, there either" for k in ("qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_proj_bits",
+                                                    "qgalore_proj_group_size", "qgalore_proj_quant", "qgalore_proj_type",
+                                                    "qgalore_queue_size", "qgalore_rank", "qgalore_scale",
+                                                    "qgalore_update_proj_gap")},
+          "optim_target_modules": "read by GaLore / APOLLO / Q-GaLore optimizers only (refused here); no effect with "
+                                  "this run's optimizer, there either",
+          # placement, launching and merging: training is the same
+          "lora_on_cpu": "placement only (Axolotl loads the adapter on the CPU to merge it); CPU ranks hold it on "
+                         "the host already, GPU ranks place by rank; training is the same",
+          "merge_lora": "read by axolotl merge-lora, not by training; merge the saved adapter afterwards (peft's "
+                        "merge_and_unload())",
+          "merge_method": "belongs to axolotl merge-lora (not run by training)",
+          "resources_per_worker": "Ray's per-worker resources: nd-parallel train starts its own ranks (use_ray), one "
+                                  "accelerator each (or one CPU process); training is the same",
+          "auto_find_batch_size": "the Trainer's retry with half the batch after a CUDA out-of-memory error; not "
+                                  "applied (a layout's global batch is fixed): without such an error training is the "
+                                  "same; on one, lower micro_batch_size",
+          "multipack_real_batches": "packing here lays micro_batch_size rows of sequence_len each (what true means); "
+                                    "each sample's loss is the same either way, only which samples share a step "
+                                    "differs",
           # logging, not training
           "generate_samples": "Axolotl's sample generation for the logs is not run here (training is the same)",
           **{k: "belongs to generate_samples (not run here)" for k in (

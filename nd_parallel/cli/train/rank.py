@@ -118,7 +118,7 @@ def _adjust(trainer, t: TrainConfig, dp: int) -> None:
         param_groups.use_param_groups(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         use_quadratic_warmup(trainer)
-    if t.cosine_constant_lr_ratio is not None:  # Axolotl's cosine to the floor, then constant (schedules.py)
+    if t.cosine_constant_lr_ratio:  # Axolotl's cosine to the floor, then constant (schedules.py); 0 is unset there
         use_constant_tail(trainer, t.cosine_constant_lr_ratio, t.cosine_min_lr_ratio)
     if t.jagged_restart_steps:  # Axolotl's jagged LR restarts, with or without relora (schedules.py)
         use_jagged_restarts(trainer, t)

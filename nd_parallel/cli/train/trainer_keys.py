@@ -66,7 +66,7 @@ def _best_model(d: dict) -> list[str]:
 
 def _constant_tail(d: dict) -> list[str]:
     ratio = d.get("cosine_constant_lr_ratio")
-    if ratio is None:
+    if ratio is None or ratio is False or ratio == 0:  # Axolotl reads a falsy ratio as unset
         return []
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         return [f"cosine_constant_lr_ratio={ratio!r}: write a number between 0 and 1 (the share of the steps after "
