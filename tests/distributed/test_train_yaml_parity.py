@@ -1,11 +1,11 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
-Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; and with optimizer: muon; and with
-use_eaft on the same data), alpaca + LoRA (curriculum_sampling; and LoftQ-initialized), chat_template with sample
+Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; with test_datasets (alpaca records,
+eval_sequence_len) instead; with optimizer: muon; and with use_eaft on the same data), alpaca + LoRA (curriculum_sampling; and LoftQ-initialized), chat_template with sample
 packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
 (gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup).
 Gradient accumulation 2, linear LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples
-to even out the ranks). The 32 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
+to even out the ranks). The 36 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
 micro_batch_size is doubled (its one rank takes both dp ranks' samples: the same global batches); everything else in
 its YAML is the same. Compared: every train_log.jsonl loss and eval loss (rtol 1e-5), and the saved model or adapter
 (atol 1e-5).
@@ -36,6 +36,9 @@ def _variants(data):
     alpaca = {"path": data["alpaca"], "ds_type": "json", "type": "alpaca"}
     return {
         "completion": dict(datasets=[{"path": data["text"], "type": "completion"}], val_set_size=0.25, eval_steps=2),
+        # test_datasets: the evaluation data from its own entries, filtered by eval_sequence_len
+        "completion_test": dict(datasets=[{"path": data["text"], "type": "completion"}], test_datasets=[alpaca],
+                                eval_sequence_len=200, eval_steps=2),
         "alpaca_lora": dict(datasets=[alpaca], curriculum_sampling=True, **LORA),  # in order: the sequential sampler
         # LoftQ: each adapted base weight replaced by its NF4 round trip, LoRA started from the SVD of the rest
         "alpaca_loftq": dict(datasets=[alpaca], curriculum_sampling=True, peft={"loftq_config": {"loftq_bits": 4}},
@@ -80,11 +83,11 @@ def runs(tmp_path_factory):
     return root
 
 
-VARIANTS = ("completion", "completion_muon", "completion_eaft", "alpaca_lora", "alpaca_loftq", "chat_packed",
+VARIANTS = ("completion", "completion_test", "completion_muon", "completion_eaft", "alpaca_lora", "alpaca_loftq", "chat_packed",
             "mixed_packed_lora", "real_world_lora")
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
 # eval_steps 2: step 2 and the last; evals_per_epoch: the last
-EVALS = {"completion": 2, "completion_eaft": 2, "real_world_lora": 1}
+EVALS = {"completion": 2, "completion_test": 2, "completion_eaft": 2, "real_world_lora": 1}
 
 
 @pytest.mark.parametrize("variant,layout", CASES, ids=[f"{v}-{lay}" for v, lay in CASES])

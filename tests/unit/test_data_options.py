@@ -94,3 +94,31 @@ def test_pad_to_multiple_of_config(tmp_path):
     (tmp_path / "c.yml").write_text(json.dumps({**base, "pad_to_multiple_of": 8, **dpo}))
     cfg = load_train_config(tmp_path / "c.yml", environ={})
     assert any(n.startswith("pad_to_multiple_of: these batches are padded by TRL") for n in cfg.notes), cfg.notes
+
+
+def test_test_datasets_are_the_evaluation_data(tmp_path):
+    """test_datasets: prepared like datasets (tokenized, filtered by eval_sequence_len instead of sequence_len) as
+    the evaluation rows; refused with val_set_size (Axolotl's rule) and with a bad entry, named as test_datasets."""
+    from nd_parallel.cli.train.data import load_prepared, prepare
+    from tests.distributed.train_yaml_helpers import write_model_and_data, write_yaml
+
+    data = write_model_and_data(tmp_path, n=24)
+    base = {"base_model": data["model"], "datasets": [{"path": data["text"], "type": "completion"}],
+            "sequence_len": 256, "output_dir": str(tmp_path / "o")}
+
+    def prepared(name, **keys):
+        cfg = load_train_config(write_yaml(tmp_path / f"{name}.yml", {**base, **keys}), environ={})
+        return prepare(cfg, tmp_path / name)
+
+    wide = prepared("wide", test_datasets=[{"path": data["alpaca"], "type": "alpaca"}])
+    narrow = prepared("narrow", test_datasets=[{"path": data["alpaca"], "type": "alpaca"}], eval_sequence_len=180)
+    assert wide.train_rows == 24 and 0 < narrow.eval_rows < wide.eval_rows <= 24, (wide, narrow)
+    assert any(line.startswith("test_datasets: ") for line in wide.sources)
+    train, evals, _ = load_prepared(narrow.path)
+    assert len(train) == 24 and max(len(r) for r in evals["input_ids"]) <= 180
+    with pytest.raises(ConfigError, match="test_datasets with val_set_size=0.1: the evaluation data is one or"):
+        prepared("v", test_datasets=[{"path": data["alpaca"], "type": "alpaca"}], val_set_size=0.1)
+    with pytest.raises(ConfigError, match=r"test_datasets\[0\]"):
+        prepared("bad", test_datasets=[{"type": "alpaca"}])
+    cfg = load_train_config(write_yaml(tmp_path / "n.yml", {**base, "eval_sequence_len": 60}), environ={})
+    assert any(n.startswith("eval_sequence_len without test_datasets") for n in cfg.notes)

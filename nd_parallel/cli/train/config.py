@@ -365,6 +365,10 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
     streamed = data.get("pretraining_dataset") and d.get("datasets") is None  # refused above with its own fix
     specs = dataset_specs(path, d.get("datasets"), d.get("dataset_path"), [] if streamed else refused,
                           transforms=d.get("rl") in grpo.RL)
+    if d.get("test_datasets"):  # test_datasets' entries, checked like datasets' (their messages name them)
+        problems: list[str] = []
+        d["test_datasets"] = dataset_specs(path, d["test_datasets"], None, problems)
+        refused += [p.replace("datasets[", "test_datasets[") for p in problems]
     train = {k: v for k, v in d.items() if k in _FIELDS and v is not None}
     for key in _CHECKS:
         if train.get(key) is not None:

@@ -8,6 +8,9 @@
 - ``pad_to_multiple_of``: supervised batches are padded to a multiple of it (their longest row rounded up; with
   ``pad_to_sequence_len`` or packing, ``sequence_len`` rounded up), as Axolotl's collator pads them. Padding is
   masked, so the loss is the same; only what reads the padded length (NEFTune's scale) sees it;
+- ``test_datasets``: entries like ``datasets:``'s, prepared the same way (tokenized, filtered, merged,
+  deduplicated, packed when evaluation packs) as the evaluation data, with ``val_set_size`` 0 (Axolotl's rule);
+  ``eval_sequence_len`` replaces ``sequence_len`` for them (Axolotl applies it to test_datasets only);
 - ``chat_template_kwargs``: extra variables for the chat template of ``type: chat_template`` datasets (e.g.
   ``enable_thinking: false``), passed to ``apply_chat_template`` as Axolotl's ChatTemplatePrompter passes them.
 
@@ -33,6 +36,10 @@ class DataOptions:
     """Keep one of this many contiguous shards of the merged data (with dataset_shard_idx)."""
     dataset_shard_idx: int | None = None
     """Which shard dataset_shard_num keeps (0-based)."""
+    test_datasets: list | None = None
+    """Evaluation data given as datasets: entries (prepared like the training data); val_set_size must be 0."""
+    eval_sequence_len: int | None = None
+    """The sequence length test_datasets' samples are filtered by (instead of sequence_len), Axolotl's meaning."""
     pad_to_multiple_of: int | None = None
     """Pad each supervised batch to a multiple of this many tokens (sequence_len rounded up with
     pad_to_sequence_len or packing), as Axolotl's collator does."""
@@ -54,6 +61,7 @@ def refusals(d: dict) -> list[str]:
         if not ints or num < 1 or not 0 <= idx < num:
             out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
                        "[0, dataset_shard_num)")
+    out += _test_datasets(d)
     multiple = d.get("pad_to_multiple_of")
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         out.append(f"pad_to_multiple_of={multiple!r}: write an integer >= 1 (tokens)")
@@ -104,10 +112,32 @@ def shard(ds, cfg):
                   f"{len(kept)} of {len(ds)} samples kept")
 
 
+def _test_datasets(d: dict) -> list[str]:
+    out, tests, longest = [], d.get("test_datasets"), d.get("eval_sequence_len")
+    if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int) or longest < 1):
+        out.append(f"eval_sequence_len={longest!r}: write an integer >= 1 (tokens)")
+    if not tests:
+        return out
+    if d.get("val_set_size"):
+        out.append(f"test_datasets with val_set_size={d['val_set_size']}: the evaluation data is one or the other "
+                   "(Axolotl's rule); set val_set_size: 0 or drop test_datasets")
+    from .grpo import RL
+
+    other = ("processor_type" if d.get("processor_type") else "streamed data" if d.get("streaming") or d.get(
+        "pretraining_dataset") else f"rl: {d['rl']}" if d.get("rl") in RL else None)
+    if other:
+        out.append(f"test_datasets with {other}: its evaluation data is not prepared from test_datasets here; drop "
+                   "test_datasets (or use val_set_size where it is accepted)")
+    return out
+
+
 def notes(d: dict) -> list[str]:
     """chat_template_kwargs under rl: Axolotl 0.19 reads it in its supervised chat_template strategy only.
     pad_to_multiple_of where TRL's or a processor's collator pads the batches."""
     out = []
+    if d.get("eval_sequence_len") and not d.get("test_datasets"):
+        out.append("eval_sequence_len without test_datasets: Axolotl 0.19 applies it to test_datasets only; the "
+                   "val_set_size split is filtered by sequence_len there and here")
     if d.get("chat_template_kwargs") and d.get("rl"):
         out.append(f"chat_template_kwargs with rl: {d['rl']}: Axolotl 0.19 passes it to the supervised chat_template "
                    "datasets only, so it changes nothing here either (GRPO's template variables: "

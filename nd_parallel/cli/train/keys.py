@@ -73,7 +73,6 @@ REFUSED = {
     "dpo_generate_during_eval": "removed from TRL (Axolotl 0.19 refuses it too): drop it",
     "dpo_norm_loss": "no longer in TRL (Axolotl 0.19 refuses it too); dpo_loss_type: sigmoid_norm is the "
                      "length-normalized sigmoid loss",
-    "test_datasets": "use val_set_size to hold out part of datasets:",
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
     "max_packed_sequence_len": "use sample_packing: true with sequence_len",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
@@ -110,8 +109,6 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "default_system_message": "Axolotl 0.19 writes it into the chatml template in place of 'You are a "
                                     "helpful assistant.', a sentence its chatml template does not have: no effect "
                                     "there, none here",
-          "eval_sequence_len": "Axolotl 0.19 applies it to test_datasets only (refused here); the val_set_size split "
-                               "is filtered by sequence_len there and here",
           "chunked_cross_entropy": "the loss is computed in sequence chunks already (loss_chunk_size, default auto: "
                                    "the same values, the full logits never held)",
           "chunked_cross_entropy_num_chunks": "not read: the chunk size is loss_chunk_size (tokens per chunk; "

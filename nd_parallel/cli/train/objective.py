@@ -148,10 +148,11 @@ def _best_checkpoint(d: dict) -> list[str]:
 
 
 def evaluates(d: dict) -> bool:
-    """Whether the YAML mapping ``d`` evaluates during training: a held-out split, and not switched off (Axolotl's
-    evals_per_epoch: 0 without eval_steps, or eval_strategy: no)."""
+    """Whether the YAML mapping ``d`` evaluates during training: a held-out split or test_datasets, and not switched
+    off (Axolotl's evals_per_epoch: 0 without eval_steps, or eval_strategy: no)."""
     no_evals = d.get("evals_per_epoch") == 0 and d.get("eval_steps") is None
-    return bool(d.get("val_set_size")) and not no_evals and d.get("eval_strategy") != "no"
+    held_out = d.get("val_set_size") or d.get("test_datasets")
+    return bool(held_out) and not no_evals and d.get("eval_strategy") != "no"
 
 
 def best_args(t: ObjectiveOptions) -> dict[str, Any]:

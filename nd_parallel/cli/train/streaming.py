@@ -122,7 +122,7 @@ def _streaming_rules(d: dict) -> list[str]:
                    "max_steps (Axolotl refuses it too); set max_steps")
     if d.get("val_set_size"):
         out.append(f"val_set_size with {what}: held-out samples of a stream are not kept (Axolotl refuses it too and "
-                   "names test_datasets, not implemented here); drop val_set_size")
+                   "names test_datasets, which a stream does not take here either); drop val_set_size")
     if d.get("dataset_exact_deduplication"):
         out.append(f"dataset_exact_deduplication with {what}: a stream is not deduplicated (Axolotl refuses it too); "
                    "drop one of them")

@@ -21,7 +21,7 @@ class TrainerKeyOptions:
     (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
     load_best_model_at_end: bool = False
     """At the end, reload the checkpoint with the lowest eval loss (metric_for_best_model) and save that model
-    (transformers' load_best_model_at_end); needs val_set_size, save_steps and eval_steps dividing save_steps."""
+    (transformers' load_best_model_at_end); needs val_set_size (or test_datasets), save_steps and eval_steps dividing save_steps."""
     cosine_constant_lr_ratio: float | None = None
     """lr_scheduler: cosine reaches learning_rate x cosine_min_lr_ratio at this share of the steps and stays there
     (Axolotl's get_cosine_schedule_with_warmup_decay_constant)."""
@@ -54,9 +54,9 @@ def _best_model(d: dict) -> list[str]:
     elif isinstance(save, (int, float)) and isinstance(every, (int, float)) and save % every != 0:
         out.append(f"{key} with save_steps={save} not a multiple of eval_steps={every}: make eval_steps divide "
                    "save_steps (Axolotl's rule: every checkpoint has an evaluation)")
-    if not d.get("val_set_size"):
+    if not d.get("val_set_size") and not d.get("test_datasets"):
         out.append(f"{key} without val_set_size: the best checkpoint is the one with the lowest evaluation loss; "
-                   "set val_set_size (e.g. 0.05)")
+                   "set val_set_size (e.g. 0.05) or test_datasets")
     if d.get("save_only_model") is True:
         out.append(f"{key} with save_only_model: the best checkpoint's model is read back from its sharded state, "
                    "which model-only checkpoints do not have (the Trainer refuses this under FSDP too); drop "

@@ -14,6 +14,7 @@ sequence_len -> merge and shuffle -> drop exact duplicates (dataset_exact_dedupl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,7 +55,7 @@ class Prepared:
 def _fingerprint(cfg, tokenizer) -> str:
     """Changes when anything that shapes the tokenized data changes (files by size and mtime)."""
     stats = []
-    for spec in cfg.datasets:
+    for spec in [*cfg.datasets, *(cfg.test_datasets or [])]:
         root = spec.resolved
         files = sorted(root.rglob("*")) if root.is_dir() else [root]
         stats += [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
@@ -62,7 +63,8 @@ def _fingerprint(cfg, tokenizer) -> str:
             "shuffle_merged_datasets", "eot_tokens", "min_sample_len", "dataset_exact_deduplication", "rl",
             "excess_length_strategy", "dataset_shard_num", "dataset_shard_idx", "chat_template_kwargs", "use_pose",
             "pose_max_context_len", "pose_split_on_token_ids", "pose_num_chunks")
-    state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys}}
+    state = {"specs": [asdict(s) for s in cfg.datasets], "files": stats, "cfg": {k: getattr(cfg, k) for k in keys},
+             "test": [asdict(s) for s in cfg.test_datasets or []], "eval_sequence_len": cfg.eval_sequence_len}
     from ..grpo import RL, is_transform, module_file
 
     if cfg.rl in RL:  # rl: grpo's transforms are the user's code: an edit makes other prompts
@@ -140,6 +142,34 @@ def _split(ds, cfg):
     return split["train"], split["test"]
 
 
+def _merged(specs, cfg, tokenizer, workdir, lines: list[str], name: str = "datasets"):
+    """The entries' samples (or pairs / prompts under rl) tokenized, concatenated, shuffled when several
+    (shuffle_merged_datasets) and deduplicated (dataset_exact_deduplication); one line per entry into `lines`."""
+    import datasets
+
+    from ..grpo import RL, prompts
+
+    parts = []
+    for i, spec in enumerate(specs):
+        if cfg.rl in RL:  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
+            raw, where = load_source(spec, str(Path(workdir) / "raw-cache"))
+            ds, line = prompts(raw, spec, i, cfg, tokenizer, where)
+        else:
+            ds, line = (_pairs if cfg.rl else _tokenized)(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
+        parts.append(ds)
+        lines.append(line if name == "datasets" else f"{name}: {line}")
+    # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)
+    parts = [parts[0], *(p.cast(parts[0].features) for p in parts[1:])]
+    merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    if cfg.shuffle_merged_datasets and len(parts) > 1:
+        merged = merged.shuffle(seed=cfg.seed)
+    if cfg.dataset_exact_deduplication:
+        merged, dropped = _deduplicated(merged)
+        lines.append(f"dataset_exact_deduplication ({name}): {dropped} duplicate sample(s) dropped, {len(merged)} "
+                     "kept")
+    return merged
+
+
 def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     """Tokenize, filter, mix, split and pack the YAML's data; see the module docstring. A streamed run
     (streaming.py) reads only the rows of its max_steps global batches over `dp` data-parallel ranks."""
@@ -163,30 +193,16 @@ def prepare(cfg, workdir: str | os.PathLike, dp: int = 1) -> Prepared:
     if (out / "done.json").is_file():
         info = json.loads((out / "done.json").read_text())
         return Prepared(str(out), how, info["sources"], info["train_rows"], info["eval_rows"], cached=True)
-    from ..grpo import RL, prompts
-
-    parts, lines = [], []
-    for i, spec in enumerate(cfg.datasets):
-        if cfg.rl in RL:  # prompts, made by the entry's transform (grpo.py); TRL tokenizes them
-            raw, where = load_source(spec, str(Path(workdir) / "raw-cache"))
-            ds, line = prompts(raw, spec, i, cfg, tokenizer, where)
-        else:
-            ds, line = (_pairs if cfg.rl else _tokenized)(spec, tokenizer, cfg, str(Path(workdir) / "raw-cache"))
-        parts.append(ds)
-        lines.append(line)
-    # one schema for all (pre-tokenized records come in as int64, the tokenizer's ids as int32)
-    parts = [parts[0], *(p.cast(parts[0].features) for p in parts[1:])]
-    merged = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    if cfg.shuffle_merged_datasets and len(parts) > 1:
-        merged = merged.shuffle(seed=cfg.seed)
-    if cfg.dataset_exact_deduplication:
-        merged, dropped = _deduplicated(merged)
-        lines.append(f"dataset_exact_deduplication: {dropped} duplicate sample(s) dropped, {len(merged)} kept")
+    lines: list[str] = []
+    merged = _merged(cfg.datasets, cfg, tokenizer, workdir, lines)
     from ..data_options import shard
 
     merged, line = shard(merged, cfg)  # dataset_shard_num / dataset_shard_idx, before the split as in Axolotl
     lines += [line] if line else []
     train, evals = _split(merged, cfg)
+    if cfg.test_datasets:  # Axolotl's test_datasets: the evaluation data (val_set_size is 0), prepared alike
+        test_cfg = dataclasses.replace(cfg, sequence_len=cfg.eval_sequence_len or cfg.sequence_len)
+        evals = _merged(cfg.test_datasets, test_cfg, tokenizer, workdir, lines, "test_datasets")
     from ..pose import apply as pose
 
     train, evals = pose(train, evals, cfg)  # use_pose: position ids with random skips (PoSE)
