@@ -74,7 +74,8 @@ REFUSED = {
     "dpo_norm_loss": "no longer in TRL (Axolotl 0.19 refuses it too); dpo_loss_type: sigmoid_norm is the "
                      "length-normalized sigmoid loss",
     "relora_steps": "Axolotl's older name, which 0.19 no longer reads: write jagged_restart_steps",
-    "max_packed_sequence_len": "use sample_packing: true with sequence_len",
+    "max_packed_sequence_len": "no longer supported (Axolotl 0.19 refuses it too): use sample_packing: true with "
+                               "sequence_len",
     # Axolotl keys newer than 0.19 found in its examples (kernels and llm-compressor plugins)
     "nvfp4_merge_aware": "NVFP4 fake-quantized training of a pre-quantized NVFP4 checkpoint's experts is not "
                          "supported (pre-quantized NVFP4 checkpoints are not loaded): use the unquantized checkpoint "
@@ -87,6 +88,7 @@ REFUSED = {
            "Float8Linear), which CPU ranks do not have, and nd-parallel train does not apply it on GPUs either (not "
            "checked without one): train in bf16 (drop fp8 and fp8_enable_fsdp_float8_all_gather; bf16: auto), or "
            + _PLUGIN,
+    "fp8_config": "belongs to fp8 (torchao's Float8Linear settings), not applied: drop it with fp8",
     "fp8_enable_fsdp_float8_all_gather": "belongs to fp8 (FSDP2 all-gathers the FP8 weights), not applied: drop it "
                                          "with fp8",
     "eval_sample_packing": None,  # implemented; listed so that falsy values are not reported as unused
@@ -158,6 +160,13 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "merge_lora": "read by axolotl merge-lora, not by training; merge the saved adapter afterwards (peft's "
                         "merge_and_unload())",
           "merge_method": "belongs to axolotl merge-lora (not run by training)",
+          "quantization": "read by axolotl quantize (post-training quantization of the saved model), not by "
+                          "training; training is the same (quantization-aware training is qat:)",
+          "torchdistx_path": "read by Axolotl with optimizer: adamw_anyprecision only (refused here); no effect with "
+                             "this run's optimizer, there either",
+          "fsdp_final_state_dict_type": "deprecated and read by no Axolotl 0.19 code (it reads "
+                                        "fsdp_config.final_state_dict_type, mapped here); the final model here is "
+                                        "saved whole (FULL_STATE_DICT)",
           "resources_per_worker": "Ray's per-worker resources: nd-parallel train starts its own ranks (use_ray), one "
                                   "accelerator each (or one CPU process); training is the same",
           "auto_find_batch_size": "the Trainer's retry with half the batch after a CUDA out-of-memory error; not "
