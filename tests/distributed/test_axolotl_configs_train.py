@@ -5,9 +5,8 @@ Jeopardy), completion, pretraining, pre-tokenized records.
 
 All runs share ONE 2-rank launch (2 optimizer steps each), built exactly as `nd-parallel train` builds them, with
 the working directory at a folder that holds the YAMLs' relative paths (./models/<family>, ./data/..., as Axolotl
-resolves them). Parity with one process is proven for these layouts by test_train_yaml_parity.py; here each
-Axolotl config must train: two finite logged losses, the model or adapter saved, and frozen parameters
-(unfrozen_parameters) left as they were.
+resolves them). Parity with one process is proven for these layouts by test_train_yaml_parity.py; here each config
+must train: two finite logged losses, the model or adapter saved, frozen parameters (unfrozen_parameters) kept.
 """
 
 import json
@@ -25,8 +24,8 @@ from nd_parallel.testing.tekken import write_tiny_tekken
 from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
-# 40 of the 82 YAMLs (the others share a family and a path with one of these, and are read by the unit tests):
-# one launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
+# 41 of the 83 YAMLs (the others share a family and a path with one of these and are read by the unit tests): one
+# launch of 2 ranks, 2 steps each, to keep the wall time of this file near 3 minutes on 2 CPU cores.
 TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen3_chat_tp2", "gemma_chat_fsdp2",
            "gemma3_chat_zero3", "phi3_chat_zero2", "cohere_chat", "olmo3_completion_pp2", "llama_jinja_file",
            "mixtral_unfrozen", "qwen3_moe_plugins", "lfm2_chatml", "mistral_tekken_chat", "chatml_pretraining",
@@ -37,7 +36,7 @@ TRAINED = ["llama3_lora_fsdp2", "mistral_fsdp1_alpaca", "qwen25_chat_ddp", "qwen
            "llama32_vision_lora_fsdp2", "mamba_completion_fsdp2", "llama_save_best_fsdp2",
            "phi3_causal_lm_eval_fsdp2", "llama3_gdpo_lora_fsdp2", "llama3_ebft_opencode_lora_fsdp2",
            "llama3_ebft_strided_lora_fsdp2", "llama3_ebft_strided_structured_ddp", "llama_relora_qlora_ddp",
-           "mamba_ssm_alpaca_ddp"]
+           "mamba_ssm_alpaca_ddp", "qwen3_more_keys_fsdp2"]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "cohere", "olmo3", "mixtral",
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
@@ -393,3 +392,10 @@ def test_reward_models_train_their_heads(runs):
     prm = saved_tensors(jobs["qwen2_prm_lora_ddp"].train.output_dir)
     heads = [v for k, v in prm.items() if "score" in k and k.endswith("weight")]
     assert heads and all(h.shape[0] == 2 for h in heads), sorted(prm)
+
+
+def test_later_keys_act_in_one_run(runs):  # the constant tail (floor from step 1), test_datasets, trainable rows
+    out = Path(runs[1]["qwen3_more_keys_fsdp2"].train.output_dir)
+    assert [r["lr"] for r in logged(out)] == pytest.approx([1e-4, 1e-5], rel=1e-9)
+    assert [r["step"] for r in logged(out, "eval_log.jsonl")] == [1, 2]
+    assert any("trainable_tokens_delta" in k for k in saved_tensors(out))

@@ -346,6 +346,10 @@ def load_train_config(path: str | os.PathLike, environ=None) -> TrainConfig:
             refused.append(f"auto_resume_from_checkpoints={data['auto_resume_from_checkpoints']!r}; use true or false")
         elif data.pop("auto_resume_from_checkpoints") and data.get("resume_from_checkpoint") is None:
             data["resume_from_checkpoint"] = "auto"
+    for name, alias in (("overrides_of_model_kwargs", "model_kwargs"), ("overrides_of_model_config", "model_config")):
+        if name in data:  # Axolotl's field names of its model_kwargs / model_config aliases (it reads both)
+            refused += [f"{name} and {alias} both set: keep one (the same setting)"] if alias in data else []
+            data.setdefault(alias, data.pop(name))
     plugin_keys = equivalents.plugin_keys(data.get("plugins"))
     d, unused, sorted_out = _sort_keys(path, data, plugin_keys)
     refused += sorted_out + extra_refusals(d) + map_memory_keys(d) + value_refusals(d) + _types(d)

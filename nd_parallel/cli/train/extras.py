@@ -22,6 +22,7 @@ from . import (
     embeddings,
     grpo,
     lm_eval,
+    load_options,
     pose,
     prequantized,
     restarts,
@@ -45,7 +46,7 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
                     sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions,
                     trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions,
                     embeddings.EmbeddingOptions, trigger_save.TriggerSaveOptions,
-                    pose.PoseOptions):  # lisa, relora, ...
+                    pose.PoseOptions, load_options.LoadOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -112,7 +113,7 @@ def extra_refusals(d: dict) -> list[str]:
     out = streaming_refusals(d) + objective_refusals(d) + sampling.refusals(d)  # streamed entry; EAFT; grouping
     out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
     out += adapter_options.refusals(d) + embeddings.refusals(d)  # peft's pass-through options, shrink_embeddings
-    out += trigger_save.refusals(d) + pose.refusals(d)  # dynamic_checkpoint, use_pose
+    out += trigger_save.refusals(d) + pose.refusals(d) + load_options.refusals(d)  # dynamic_checkpoint, ...
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):

@@ -31,6 +31,7 @@ from . import (
     grpo,
     grpo_rank,
     lm_eval,
+    load_options,
     objective,
     param_groups,
     prequantized,
@@ -56,6 +57,7 @@ def _model(t: TrainConfig, tokenizer):
         extra["config"] = AutoConfig.from_pretrained(t.base_model_config, **extra)
     extra.update(objective.config_kwargs(t, t.base_model_config or t.base_model, extra))  # cls_model_config
     objective.config_overrides(extra, t.model_config)  # Axolotl's model_config: set on the config that loads
+    extra.update(load_options.load_kwargs(t))  # model_kwargs: from_pretrained's extra arguments, first (as Axolotl)
     extra.update(model_kwargs(t))  # revision_of_model, experts_implementation (extras.py)
     auto = auto_class(t, extra)  # AutoModelForCausalLM, or a reward model's classification head (reward.py)
     if t.attn_implementation:  # resolved in the parent (equivalents.attention): a kernel only where it exists

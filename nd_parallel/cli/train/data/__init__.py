@@ -165,8 +165,8 @@ def _merged(specs, cfg, tokenizer, workdir, lines: list[str], name: str = "datas
         merged = merged.shuffle(seed=cfg.seed)
     if cfg.dataset_exact_deduplication:
         merged, dropped = _deduplicated(merged)
-        lines.append(f"dataset_exact_deduplication ({name}): {dropped} duplicate sample(s) dropped, {len(merged)} "
-                     "kept")
+        where = "" if name == "datasets" else f" ({name})"
+        lines.append(f"dataset_exact_deduplication{where}: {dropped} duplicate sample(s) dropped, {len(merged)} kept")
     return merged
 
 
