@@ -11,7 +11,6 @@ must train: two finite logged losses, the model or adapter saved, frozen paramet
 
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from nd_parallel.testing.models import make_text, save_tiny_model, write_mamba_ssm
 from nd_parallel.testing.multimodal import save_tiny_mistral3, save_tiny_vlm, write_images
 from nd_parallel.testing.tekken import write_tiny_tekken
-from tests.distributed.train_yaml_helpers import jobs_for, logged, run_jobs, saved_tensors
+from tests.distributed.train_yaml_helpers import jobs_for, logged, marker_tokens, run_jobs, saved_tensors
 
 CONFIGS = Path(__file__).resolve().parent.parent / "axolotl_configs"
 # 41 of the 83 YAMLs (the others share a family and a path with one of these and are read by the unit tests): one
@@ -41,23 +40,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3"
             "qwen3_moe", "lfm2", "mamba")  # the families TRAINED names
 
 
-def _marker_tokens() -> list[str]:
-    """Every turn marker the named templates write and the YAMLs' special tokens, as single tokens."""
-    from nd_parallel.cli.train.data.templates import FORMATS
-
-    text = " ".join(f"{f.header} {f.footer} {' '.join(f.headers.values())} {' '.join(f.footers.values())} "
-                    f"{' '.join(f.rename.values())}" for f in FORMATS.values())
-    found = set(re.findall(r"<[^<>\s]+>|\[/?[A-Z_]+\]", text)) | {"<think>", "</think>", "<|end_of_text|>",
-                                                                  "<|endoftext|>", "<|finetune_right_pad|>"}
-    return sorted(found - {"<s>", "</s>", "<pad>", "<unk>"})
-
-
 def _write_workspace(root: Path) -> None:
     from nd_parallel.testing.tokenizer import train_tiny_tokenizer
 
     lines = make_text(160, seed=3)
     tokenizer = train_tiny_tokenizer(lines, vocab_size=180)
-    tokenizer.add_special_tokens({"additional_special_tokens": _marker_tokens()})
+    tokenizer.add_special_tokens({"additional_special_tokens": marker_tokens()})
     assert len(tokenizer) <= 256, len(tokenizer)
     for family in FAMILIES:
         save_tiny_model(family, root / "models" / family, seed=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,14 @@ def compare_runs(got: Path, ref: Path, *, rtol: float, atol: float, label: str, 
           f"{max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)):.2e} saved-tensor diff {worst:.2e}")
     assert worst <= atol, (label, worst)
     return losses, tensors
+
+
+def marker_tokens() -> list[str]:
+    """Every turn marker the named templates write and the YAMLs' special tokens, as single tokens."""
+    from nd_parallel.cli.train.data.templates import FORMATS
+
+    text = " ".join(f"{f.header} {f.footer} {' '.join(f.headers.values())} {' '.join(f.footers.values())} "
+                    f"{' '.join(f.rename.values())}" for f in FORMATS.values())
+    found = set(re.findall(r"<[^<>\s]+>|\[/?[A-Z_]+\]", text)) | {"<think>", "</think>", "<|end_of_text|>",
+                                                                  "<|endoftext|>", "<|finetune_right_pad|>"}
+    return sorted(found - {"<s>", "</s>", "<pad>", "<unk>"})
