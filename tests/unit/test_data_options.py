@@ -122,3 +122,24 @@ def test_test_datasets_are_the_evaluation_data(tmp_path):
         prepared("bad", test_datasets=[{"type": "alpaca"}])
     cfg = load_train_config(write_yaml(tmp_path / "n.yml", {**base, "eval_sequence_len": 60}), environ={})
     assert any(n.startswith("eval_sequence_len without test_datasets") for n in cfg.notes)
+
+
+def test_batch_flattening_lays_a_batch_out_as_one_row(tmp_path):
+    """DataCollatorWithFlattening's layout: samples back to back, positions restarting, each sample's first label
+    masked; Axolotl's rules (not with sample_packing unless auto), and not under PP (one row cannot be split)."""
+    from nd_parallel.cli.train.data.collate import Collator
+    from nd_parallel.cli.train.data_options import flattens
+
+    rows = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 9]}]
+    flat = Collator(0, flatten=True)(rows)
+    assert flat["input_ids"].tolist() == [[5, 6, 7, 8, 9]] and flat["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert flat["labels"].tolist() == [[-100, 6, 7, -100, 9]] and "attention_mask" not in flat
+    assert flattens(SimpleNamespace(batch_flattening="auto", sample_packing=False))
+    assert not flattens(SimpleNamespace(batch_flattening="auto", sample_packing=True))
+    base = {"base_model": "./m", "datasets": [{"path": "d.jsonl", "type": "completion"}], "batch_flattening": True}
+    for keys, match in (({"sample_packing": True}, "batch_flattening with sample_packing"),
+                        ({"pipeline_parallel_size": 2}, "the pipeline splits a micro-batch into rows"),
+                        ({"batch_flattening": "yes"}, "write true, false or auto")):
+        (tmp_path / "c.yml").write_text(json.dumps({**base, **keys}))
+        with pytest.raises(ConfigError, match=match):
+            load_train_config(tmp_path / "c.yml", environ={})

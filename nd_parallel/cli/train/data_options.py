@@ -11,6 +11,9 @@
 - ``test_datasets``: entries like ``datasets:``'s, prepared the same way (tokenized, filtered, merged,
   deduplicated, packed when evaluation packs) as the evaluation data, with ``val_set_size`` 0 (Axolotl's rule);
   ``eval_sequence_len`` replaces ``sequence_len`` for them (Axolotl applies it to test_datasets only);
+- ``batch_flattening`` (true or auto): each supervised micro-batch is one row, its samples back to back with their
+  own position ids (the first label of each masked), as transformers' DataCollatorWithFlattening lays them; the
+  attention stays inside each sample (as for packed rows), so the loss is the padded batch's, without padding;
 - ``chat_template_kwargs``: extra variables for the chat template of ``type: chat_template`` datasets (e.g.
   ``enable_thinking: false``), passed to ``apply_chat_template`` as Axolotl's ChatTemplatePrompter passes them.
 
@@ -43,6 +46,8 @@ class DataOptions:
     pad_to_multiple_of: int | None = None
     """Pad each supervised batch to a multiple of this many tokens (sequence_len rounded up with
     pad_to_sequence_len or packing), as Axolotl's collator does."""
+    batch_flattening: bool | str | None = None
+    """true / auto: each supervised micro-batch laid out as one row of its samples (no padding), the same loss."""
     chat_template_kwargs: dict | None = None
     """Variables for the chat template of chat_template datasets (e.g. enable_thinking: false), as Axolotl passes
     them to apply_chat_template."""
@@ -61,7 +66,7 @@ def refusals(d: dict) -> list[str]:
         if not ints or num < 1 or not 0 <= idx < num:
             out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
                        "[0, dataset_shard_num)")
-    out += _test_datasets(d)
+    out += _test_datasets(d) + _flattening(d)
     multiple = d.get("pad_to_multiple_of")
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         out.append(f"pad_to_multiple_of={multiple!r}: write an integer >= 1 (tokens)")
@@ -112,6 +117,28 @@ def shard(ds, cfg):
                   f"{len(kept)} of {len(ds)} samples kept")
 
 
+def _flattening(d: dict) -> list[str]:
+    """Axolotl's rules (not with sample_packing, unless auto, which packing then overrides); PP splits a micro-batch
+    into rows, which one flattened row cannot be."""
+    value = d.get("batch_flattening")
+    if value in (None, False):
+        return []
+    if value not in (True, "auto"):
+        return [f"batch_flattening={value!r}: write true, false or auto"]
+    if value is True and d.get("sample_packing"):
+        return ["batch_flattening with sample_packing (Axolotl refuses it too): packed rows have no padding already; "
+                "drop one of them"]
+    if (d.get("pipeline_parallel_size") or 1) > 1 and not d.get("sample_packing"):
+        return [f"batch_flattening with pipeline_parallel_size={d['pipeline_parallel_size']}: the pipeline splits a "
+                "micro-batch into rows, and a flattened micro-batch is one row; drop batch_flattening"]
+    return []
+
+
+def flattens(t) -> bool:
+    """Whether the supervised collator flattens (batch_flattening true / auto, no packing)."""
+    return t.batch_flattening in (True, "auto") and not t.sample_packing
+
+
 def _test_datasets(d: dict) -> list[str]:
     out, tests, longest = [], d.get("test_datasets"), d.get("eval_sequence_len")
     if longest is not None and (isinstance(longest, bool) or not isinstance(longest, int) or longest < 1):
@@ -143,9 +170,10 @@ def notes(d: dict) -> list[str]:
                    "datasets only, so it changes nothing here either (GRPO's template variables: "
                    "trl.chat_template_kwargs)")
     other = d.get("rl") or d.get("processor_type") or d.get("reward_model") or d.get("process_reward_model")
-    if d.get("pad_to_multiple_of") and other:
-        out.append("pad_to_multiple_of: these batches are padded by TRL's / the processor's collator here, to their "
-                   "longest row; padding is masked, so the loss is the same")
+    for key in ("pad_to_multiple_of", "batch_flattening"):
+        if d.get(key) and other:
+            out.append(f"{key}: these batches are laid out by TRL's / the processor's collator here, padded to their "
+                       "longest row; padding is masked, so the loss is the same")
     return out
 
 

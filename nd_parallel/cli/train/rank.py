@@ -264,7 +264,7 @@ def _run_train(job: TrainJob) -> dict:
     elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
         trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
-        collator = Collator(tokenizer.pad_token_id, pad_to, multiple)
+        collator = Collator(tokenizer.pad_token_id, pad_to, multiple, flatten=data_options.flattens(t))
         if t.processor_type:  # images: each rank processes its own rows at collate time (data/mm_collate.py)
             from .data.mm_collate import MultimodalCollator
             from .data.mm_rows import load_prepared_processor

@@ -17,8 +17,12 @@ class Collator:
     """Pad every batch to this length (pad_to_sequence_len / sample_packing), else to its longest row."""
     multiple: int | None = None
     """The longest row's length rounded up to a multiple of this (pad_to_multiple_of)."""
+    flatten: bool = False
+    """The batch as one row of its samples back to back (batch_flattening), each with its own position ids."""
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if self.flatten:
+            return self._flat(rows)
         longest = max(len(r["input_ids"]) for r in rows)
         length = self.pad_to or (-(-longest // self.multiple) * self.multiple if self.multiple else longest)
         packed = "position_ids" in rows[0]
@@ -32,6 +36,18 @@ class Collator:
             else:
                 out["attention_mask"].append([1] * len(ids) + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+
+    @staticmethod
+    def _flat(rows: list[dict]) -> dict[str, torch.Tensor]:
+        """transformers' DataCollatorWithFlattening's layout: the first label of each sample is -100 (it would be
+        predicted from the previous sample); positions restart at each sample, so its attention stays inside it."""
+        out = {"input_ids": [], "labels": [], "position_ids": []}
+        for r in rows:
+            out["input_ids"] += list(r["input_ids"])
+            out["labels"] += [IGNORE_INDEX] + list(r["labels"][1:])
+            out["position_ids"] += list(r["position_ids"]) if "position_ids" in r else list(range(len(r["input_ids"])))
+        return {k: torch.tensor([v], dtype=torch.long) for k, v in out.items()}
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
