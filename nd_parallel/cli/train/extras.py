@@ -28,6 +28,7 @@ from . import (
     restarts,
     sampling,
     sparsity,
+    trainer_class,
     trainer_keys,
     trigger_save,
 )
@@ -46,7 +47,8 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
                     sparsity.SparsityOptions, diffusion.DiffusionOptions, grpo.GRPOOptions,
                     trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions,
                     embeddings.EmbeddingOptions, trigger_save.TriggerSaveOptions,
-                    pose.PoseOptions, load_options.LoadOptions):  # lisa, relora, ...
+                    pose.PoseOptions, load_options.LoadOptions,
+                    trainer_class.TrainerClassOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -114,6 +116,7 @@ def extra_refusals(d: dict) -> list[str]:
     out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
     out += adapter_options.refusals(d) + embeddings.refusals(d)  # peft's pass-through options, shrink_embeddings
     out += trigger_save.refusals(d) + pose.refusals(d) + load_options.refusals(d)  # dynamic_checkpoint, ...
+    out += trainer_class.refusals(d)
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):

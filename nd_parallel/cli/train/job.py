@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from nd_parallel.config import ConfigError, ParallelismConfig
 
-from . import adapter_options, grpo, objective, param_groups, restarts, sparsity, trainer_keys
+from . import adapter_options, grpo, objective, param_groups, restarts, sparsity, trainer_class, trainer_keys
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
@@ -313,6 +313,7 @@ def build_job(path, cfg: TrainConfig, layout: ParallelismConfig, workdir: str, q
     check_llama4_experts(cfg, cfg.base_model, layout, path)
     check_dora_layout(cfg, layout, path)
     adapter_options.check_layout(cfg, layout, path)  # trainable token rows, replicated layers
+    trainer_class.check(cfg, path)  # trainer_cls: imports, a transformers.Trainer subclass
     prepared = prepare(cfg, workdir, dp=layout.dp_size)  # a stream is read for this many dp ranks' batches
     per_micro = cfg.micro_batch_size * layout.dp_size
     if prepared.train_rows < per_micro:

@@ -37,6 +37,7 @@ from . import (
     prequantized,
     restarts,
     sparsity,
+    trainer_class,
 )
 from .config import TrainConfig
 from .extras import attention_for, lora_kwargs, model_kwargs
@@ -233,7 +234,7 @@ def _experts_quantized(t: TrainConfig):
 
 
 def _run_train(job: TrainJob) -> dict:
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from nd_parallel.fault.resume import account as account_for_resume
@@ -271,7 +272,8 @@ def _run_train(job: TrainJob) -> dict:
 
             collator = MultimodalCollator(*load_prepared_processor(job.prepared, t.trust_remote_code))
             parts["processing_class"] = collator.processor  # saved with the model, as Axolotl saves it
-        trainer = diffusion.trainer(t, Trainer, TrainingArguments(**job.trainer_args), collator, parts)  # or plain
+        base = trainer_class.trainer_base(t)  # trainer_cls, else transformers' Trainer
+        trainer = diffusion.trainer(t, base, TrainingArguments(**job.trainer_args), collator, parts)  # or plain
     _adjust(trainer, t, job.layout.dp_size)  # Muon, quadratic warm-up, jagged restarts, length groups
     for callback in _extra_callbacks(t, trainer):  # lisa, relora, generation metrics, sparsity masks, neftune
         trainer.add_callback(callback)
