@@ -25,6 +25,7 @@ from nd_parallel.accelerate.launcher_env import adopt_launcher_env
 from ..report import local_state_bytes
 from . import (
     adapter_options,
+    attention_options,
     data_options,
     diffusion,
     embeddings,
@@ -72,6 +73,7 @@ def _model(t: TrainConfig, tokenizer):
         model = (_from_config(t, extra) if t.reinit_weights  # the config's own init: no weight file is read
                  else auto.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     split_after(model)
+    attention_options.install(model, t)  # scaling_softmax: SSMax-scaled queries in the model's own attention
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
