@@ -35,3 +35,26 @@ def test_bad_dpo_keys_are_refused_together(tmp_path):
     with pytest.raises(ConfigError, match="dpo_loss_type with rl: kto: a DPOTrainer setting"):
         _load(tmp_path, rl="kto", micro_batch_size=2, dpo_loss_type="sigmoid",
               datasets=[{"path": "d.jsonl", "type": "chatml.intel"}])
+
+
+def test_precompute_ref_log_probs_is_the_per_step_reference_without_dropout(tmp_path):
+    """TRL's precomputed reference runs in eval mode before training; the per-step one here runs in train mode: the
+    same values exactly when no dropout acts, so a model with dropout is refused (LoRA's own dropout is off in the
+    reference). Without rl, or with orpo (no reference), the key is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from nd_parallel.cli.train.preference import check_precompute
+    from nd_parallel.testing.models import save_tiny_model
+
+    cfg = _load(tmp_path, rl="dpo", precompute_ref_log_probs=True)
+    llama = AutoModelForCausalLM.from_pretrained(save_tiny_model("llama", tmp_path / "llama", seed=0))
+    check_precompute(cfg, llama)  # no dropout: accepted
+    gpt2 = AutoModelForCausalLM.from_pretrained(save_tiny_model("gpt2", tmp_path / "gpt2", seed=0))
+    with pytest.raises(ConfigError, match=r"applies dropout in training \(transformer.*drop.*load the model"):
+        check_precompute(cfg, gpt2)
+    with pytest.raises(ConfigError, match="precompute_ref_log_probs without rl"):
+        _load(tmp_path, precompute_ref_log_probs=True)
+    with pytest.raises(ConfigError, match="precompute_ref_log_probs with rl: orpo: that trainer has no reference"):
+        _load(tmp_path, rl="orpo", precompute_ref_log_probs=True)
+    notes = _load(tmp_path, rl="dpo", dpo_padding_free=True).notes
+    assert any(n.startswith("dpo_padding_free: TRL turns padding_free off") for n in notes), notes

@@ -160,6 +160,8 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           "merge_lora": "read by axolotl merge-lora, not by training; merge the saved adapter afterwards (peft's "
                         "merge_and_unload())",
           "merge_method": "belongs to axolotl merge-lora (not run by training)",
+          "dpo_padding_free": "TRL turns padding_free off in Axolotl 0.19's version too (it falls back to padded "
+                              "batches, with a warning): no effect there, none here",
           "quantization": "read by axolotl quantize (post-training quantization of the saved model), not by "
                           "training; training is the same (quantization-aware training is qat:)",
           "torchdistx_path": "read by Axolotl with optimizer: adamw_anyprecision only (refused here); no effect with "

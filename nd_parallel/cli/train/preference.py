@@ -55,6 +55,9 @@ class PreferenceOptions:
     """rl: dpo / ipo: DPOConfig's use_weighting (WPO's per-pair weights)."""
     dpo_use_liger_kernel: bool | None = None
     """Liger's fused DPO loss (a Triton kernel): the same loss runs without it here (one line)."""
+    precompute_ref_log_probs: bool = False
+    """rl: dpo / ipo / kto: TRL computes the reference log-probs once before training (in eval mode); here they are
+    computed each step under the layout, the same values for a model without dropout (others are refused)."""
 
 
 def _positive(d: dict, key: str, default: str) -> list[str]:
@@ -158,13 +161,17 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
     out = [f"trl: with rl: {rl}: the block is read with rl: grpo / gdpo / ebft here; for rl: {rl} write rl_beta"
            ] if d.get("trl") else []
     if rl is None:
-        return out + _type_refusals(d, None)
+        unused = ["precompute_ref_log_probs without rl: it sets how a preference trainer's reference is computed; "
+                  "drop it"] if d.get("precompute_ref_log_probs") else []
+        return out + _type_refusals(d, None) + unused
     if rl not in RL:
         return out + [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer), "
                       "orpo (TRL's ORPOTrainer), grpo, gdpo and ebft (TRL's GRPOTrainer); for Axolotl's other RL "
                       "trainers " + _AXOLOTL_ONLY]
     out += _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
     out += _dpo_refusals(d, rl)
+    if d.get("precompute_ref_log_probs") and rl not in (*LOSSES, "kto"):
+        out.append(f"precompute_ref_log_probs with rl: {rl}: that trainer has no reference model; drop it")
     if rl == "kto":
         out += _positive(d, "kto_desirable_weight", "default 1.0") + _positive(d, "kto_undesirable_weight",
                                                                                "default 1.0")
@@ -187,6 +194,24 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
     return out
 
 
+def check_precompute(t, model) -> None:
+    """precompute_ref_log_probs: TRL's precomputed reference (eval mode, before training) equals the reference
+    forward each step only where no dropout acts in training (a LoRA adapter's dropout is off in the reference)."""
+    if not t.precompute_ref_log_probs:
+        return
+    import torch.nn as nn
+
+    from nd_parallel.config import ConfigError
+
+    active = sorted({name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0
+                     and "lora_dropout" not in name})
+    if active:
+        raise ConfigError(f"precompute_ref_log_probs with a model that applies dropout in training ({active[0]}, "
+                          f"... {len(active)} modules): TRL's precomputed reference (eval mode) differs from the "
+                          "per-step one computed here; drop precompute_ref_log_probs, or load the model with its "
+                          "dropout at 0 (model_config)")
+
+
 def preference_trainer(t, trainer_args: dict, **kwargs):
     """TRL's DPOTrainer / KTOTrainer / ORPOTrainer for ``t`` (a TrainConfig with rl set): the Trainer's arguments plus
     its own."""
@@ -202,7 +227,9 @@ def preference_trainer(t, trainer_args: dict, **kwargs):
         beta = t.rl_beta if t.rl_beta is not None else t.orpo_alpha
         return ORPOTrainer(args=ORPOConfig(**{**common, "beta": 0.1 if beta is None else float(beta)}), **kwargs)
     if t.rl == "kto":
+        check_precompute(t, kwargs["model"])
         args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
                              undesirable_weight=float(t.kto_undesirable_weight or 1.0))
         return trl.KTOTrainer(args=args, **kwargs)
+    check_precompute(t, kwargs["model"])
     return trl.DPOTrainer(args=trl.DPOConfig(**common, **dpo_args(t)), **kwargs)
