@@ -45,6 +45,7 @@ import types
 
 from nd_parallel.accelerate.accelerate_config import refuse_different_sizes
 
+from .cpo import adopt_cpo, check_cpo_args, is_cpo_trainer
 from .dpo import adopt_dpo, check_dpo_args, is_dpo_trainer, turn_off_chunked_loss
 from .kto import adopt_kto, check_kto_args, is_kto_trainer
 from .orpo import adopt_orpo, check_orpo_args, is_orpo_trainer
@@ -117,6 +118,8 @@ def adopt(trainer, plugin, accelerator=None):
         check_kto_args(trainer, plugin.config)
     if is_orpo_trainer(trainer):
         check_orpo_args(trainer, plugin.config)
+    if is_cpo_trainer(trainer):
+        check_cpo_args(trainer, plugin.config)
     if is_reward_trainer(trainer):
         check_reward_args(trainer, plugin.config)
     attached = getattr(accelerator, "nd_parallel", None)
@@ -137,6 +140,8 @@ def adopt(trainer, plugin, accelerator=None):
         adopt_kto(trainer, plugin)
     if is_orpo_trainer(trainer):
         adopt_orpo(trainer, plugin)
+    if is_cpo_trainer(trainer):
+        adopt_cpo(trainer, plugin)
     if is_reward_trainer(trainer):
         adopt_reward(trainer, plugin)
     return plugin

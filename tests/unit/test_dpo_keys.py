@@ -58,3 +58,16 @@ def test_precompute_ref_log_probs_is_the_per_step_reference_without_dropout(tmp_
         _load(tmp_path, rl="orpo", precompute_ref_log_probs=True)
     notes = _load(tmp_path, rl="dpo", dpo_padding_free=True).notes
     assert any(n.startswith("dpo_padding_free: TRL turns padding_free off") for n in notes), notes
+
+
+def test_simpo_keys(tmp_path):
+    """rl: simpo (TRL's CPOTrainer, loss_type simpo): simpo_gamma required (Axolotl passes it unset and TRL's loss
+    fails), cpo_alpha optional; both refused with another rl; PP refused (the loss needs the whole logits)."""
+    cfg = _load(tmp_path, rl="simpo", simpo_gamma=0.5, cpo_alpha=0)
+    assert (cfg.rl, cfg.simpo_gamma, cfg.cpo_alpha) == ("simpo", 0.5, 0)
+    with pytest.raises(ConfigError, match="rl: simpo without simpo_gamma: Axolotl passes it unset"):
+        _load(tmp_path, rl="simpo")
+    with pytest.raises(ConfigError, match="simpo_gamma with rl: dpo: a SimPO"):
+        _load(tmp_path, rl="dpo", simpo_gamma=0.5)
+    with pytest.raises(ConfigError, match="rl: simpo with pipeline_parallel_size: 2: SIMPO builds its loss"):
+        _load(tmp_path, rl="simpo", simpo_gamma=0.5, pipeline_parallel_size=2)

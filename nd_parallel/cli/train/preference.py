@@ -26,7 +26,7 @@ from .data.orpo import TYPES as ORPO_TYPES
 
 # rl -> DPOConfig(loss_type=...); kto -> KTOTrainer
 LOSSES = {"dpo": ["sigmoid"], "ipo": ["ipo"]}
-RL = (*LOSSES, "kto", "orpo")
+RL = (*LOSSES, "kto", "orpo", "simpo")
 _AXOLOTL_ONLY = "run the YAML with Axolotl and the nd_parallel plugin (docs/axolotl.md)"
 _DPO_TYPES = ("chat_template", "chat_template.default", *TEMPLATE_DPO_TYPES)
 SUPERVISED_NOT = (*KTO_TYPES, *TEMPLATE_DPO_TYPES, *ORPO_TYPES)  # preference formats: refused without rl
@@ -55,6 +55,10 @@ class PreferenceOptions:
     """rl: dpo / ipo: DPOConfig's use_weighting (WPO's per-pair weights)."""
     dpo_use_liger_kernel: bool | None = None
     """Liger's fused DPO loss (a Triton kernel): the same loss runs without it here (one line)."""
+    cpo_alpha: float | None = None
+    """rl: simpo: the weight of the chosen answers' NLL term (CPOConfig's cpo_alpha; TRL's default 1.0)."""
+    simpo_gamma: float | None = None
+    """rl: simpo: SimPO's target reward margin (CPOConfig's simpo_gamma); required, as in Axolotl."""
     precompute_ref_log_probs: bool = False
     """rl: dpo / ipo / kto: TRL computes the reference log-probs once before training (in eval mode); here they are
     computed each step under the layout, the same values for a model without dropout (others are refused)."""
@@ -106,6 +110,20 @@ def _orpo_refusals(d: dict, rl: str) -> list[str]:
 
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # TRL's DPOConfig
+
+
+def _simpo_refusals(d: dict, rl: str) -> list[str]:
+    """rl: simpo: Axolotl passes simpo_gamma as it is (TRL's SimPO loss divides it by beta, so unset it fails on the
+    first step there) and cpo_alpha when set."""
+    keys = [k for k in ("cpo_alpha", "simpo_gamma") if d.get(k) is not None]
+    if rl != "simpo":
+        return [f"{k} with rl: {rl}: a SimPO (CPOTrainer) setting; drop it or set rl: simpo" for k in keys]
+    out = [f"{k}={d[k]!r}: write a number" for k in keys
+           if isinstance(d[k], bool) or not isinstance(d[k], (int, float))]
+    if d.get("simpo_gamma") is None:
+        out.append("rl: simpo without simpo_gamma: Axolotl passes it unset to TRL, whose SimPO loss then fails on the "
+                   "first step; set simpo_gamma (TRL's default 0.5)")
+    return out
 
 
 def _dpo_refusals(d: dict, rl: str) -> list[str]:
@@ -166,10 +184,11 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
         return out + _type_refusals(d, None) + unused
     if rl not in RL:
         return out + [f"rl={rl!r}: nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto (TRL's KTOTrainer), "
-                      "orpo (TRL's ORPOTrainer), grpo, gdpo and ebft (TRL's GRPOTrainer); for Axolotl's other RL "
+                      "orpo (TRL's ORPOTrainer), simpo (TRL's CPOTrainer), grpo, gdpo and ebft (TRL's GRPOTrainer); "
+                      "for Axolotl's other RL "
                       "trainers " + _AXOLOTL_ONLY]
     out += _positive(d, "rl_beta", "TRL's default 0.1") + _type_refusals(d, rl) + _orpo_refusals(d, rl)
-    out += _dpo_refusals(d, rl)
+    out += _dpo_refusals(d, rl) + _simpo_refusals(d, rl)
     if d.get("precompute_ref_log_probs") and rl not in (*LOSSES, "kto"):
         out.append(f"precompute_ref_log_probs with rl: {rl}: that trainer has no reference model; drop it")
     if rl == "kto":
@@ -186,7 +205,7 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
     if d.get("sample_packing"):
         out.append(f"sample_packing=True with rl: {rl}: preference examples are not packed; drop sample_packing")
     if layout is not None and layout.pp_size > 1:
-        why = ("builds its loss from the whole logits after the forward" if rl == "orpo" else
+        why = ("builds its loss from the whole logits after the forward" if rl in ("orpo", "simpo") else
                "sums each sequence's per-token log-probs")
         out.append(f"rl: {rl} with pipeline_parallel_size: {layout.pp_size}: {rl.upper()} {why}, which a pipeline's "
                    "stages do not return; use dp_shard_size, tensor_parallel_size, context_parallel_size or "
@@ -226,6 +245,12 @@ def preference_trainer(t, trainer_args: dict, **kwargs):
 
         beta = t.rl_beta if t.rl_beta is not None else t.orpo_alpha
         return ORPOTrainer(args=ORPOConfig(**{**common, "beta": 0.1 if beta is None else float(beta)}), **kwargs)
+    if t.rl == "simpo":  # Axolotl: TRL's CPOTrainer with loss_type simpo, simpo_gamma, cpo_alpha when set
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        alpha = {} if t.cpo_alpha is None else {"cpo_alpha": float(t.cpo_alpha)}
+        return CPOTrainer(args=CPOConfig(**common, loss_type="simpo", simpo_gamma=float(t.simpo_gamma), **alpha),
+                          **kwargs)
     if t.rl == "kto":
         check_precompute(t, kwargs["model"])
         args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
