@@ -46,6 +46,8 @@ class DataOptions:
     pad_to_multiple_of: int | None = None
     """Pad each supervised batch to a multiple of this many tokens (sequence_len rounded up with
     pad_to_sequence_len or packing), as Axolotl's collator does."""
+    added_tokens_overrides: dict | None = None
+    """Token id -> new string for the tokenizer's added tokens (e.g. reserved special tokens), Axolotl's meaning."""
     batch_flattening: bool | str | None = None
     """true / auto: each supervised micro-batch laid out as one row of its samples (no padding), the same loss."""
     chat_template_kwargs: dict | None = None
@@ -67,6 +69,14 @@ def refusals(d: dict) -> list[str]:
             out.append(f"dataset_shard_num={num!r}, dataset_shard_idx={idx!r}: write both, an index in "
                        "[0, dataset_shard_num)")
     out += _test_datasets(d) + _flattening(d)
+    renames = d.get("added_tokens_overrides")
+    if renames is not None and not (isinstance(renames, dict) and all(
+            str(k).lstrip("-").isdigit() and isinstance(v, str) and v for k, v in renames.items())):
+        out.append(f"added_tokens_overrides={renames!r}: write a mapping of token ids to new strings, e.g. "
+                   "{128011: '<|im_start|>'}")
+    elif renames and d.get("tokenizer_use_mistral_common"):
+        out.append("added_tokens_overrides with tokenizer_use_mistral_common: mistral-common's tokenizer file is not "
+                   "rewritten here; drop one of them")
     multiple = d.get("pad_to_multiple_of")
     if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         out.append(f"pad_to_multiple_of={multiple!r}: write an integer >= 1 (tokens)")

@@ -3,7 +3,10 @@ template applied; a byte-level one (byte_tokenizer, below) for a directory witho
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from nd_parallel.config import ConfigError
@@ -46,8 +49,10 @@ def load_tokenizer(cfg):
         extra = {} if cfg.trust_remote_code is None else {"trust_remote_code": cfg.trust_remote_code}
         # mistral_format=False: transformers would pick mistral-common's tokenizer for a folder with a tekken.json
         # whenever that package is installed; without tokenizer_use_mistral_common the HF tokenizer is the one read
-        tokenizer = AutoTokenizer.from_pretrained(source, mistral_format=False, **extra)
-        how = f"tokenizer of {source}"
+        with _overridden(source, cfg.added_tokens_overrides) as files:  # added_tokens_overrides, else source
+            tokenizer = AutoTokenizer.from_pretrained(files, mistral_format=False, **extra)
+        how = f"tokenizer of {source}" + (f", added tokens {sorted(cfg.added_tokens_overrides)} renamed"
+                                          if cfg.added_tokens_overrides else "")
     else:
         tokenizer, how = byte_tokenizer(), f"byte-level ids: no tokenizer files in {source}"
     template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
@@ -62,6 +67,44 @@ def load_tokenizer(cfg):
     if not (cfg.special_tokens or cfg.tokens):
         _check_vocab(cfg, tokenizer, source)
     return tokenizer, how
+
+
+@contextlib.contextmanager
+def _overridden(source: str, overrides: dict | None):
+    """Axolotl's added_tokens_overrides: a copy of the tokenizer files whose added tokens with these ids carry the
+    new strings (tokenizer_config.json's added_tokens_decoder, tokenizer.json's added_tokens and vocab); only added
+    tokens can be renamed. Yields the folder to load from (`source` itself without overrides)."""
+    if not overrides:
+        yield source
+        return
+    ids = {int(k): v for k, v in overrides.items()}
+    with tempfile.TemporaryDirectory() as folder:
+        for file in Path(source).iterdir():
+            if file.is_file() and file.suffix in (".json", ".model", ".txt", ".jinja"):
+                shutil.copy(file, folder)
+        config_file, main_file = Path(folder) / "tokenizer_config.json", Path(folder) / "tokenizer.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        main = json.loads(main_file.read_text()) if main_file.is_file() else {}
+        added = {entry["id"]: entry for entry in main.get("added_tokens", [])}
+        missing = sorted(i for i in ids if str(i) not in config.get("added_tokens_decoder", {}) and i not in added)
+        if missing:
+            raise ConfigError(f"added_tokens_overrides: token ids {missing} are not added tokens of {source} (only "
+                              "added tokens, e.g. reserved special tokens, can be renamed); use ids from its "
+                              "tokenizer_config.json added_tokens_decoder")
+        for i, text in ids.items():
+            config.get("added_tokens_decoder", {}).get(str(i), {})["content"] = text
+            if i in added:
+                added[i]["content"] = text
+            vocab = main.get("model", {}).get("vocab")
+            if isinstance(vocab, dict):  # the vocabulary's entry for that id takes the new string too (as Axolotl)
+                old = next((k for k, v in vocab.items() if v == i), None)
+                if old is not None:
+                    del vocab[old]
+                    vocab[text] = i
+        for file, data in ((config_file, config), (main_file, main)):
+            if data:
+                file.write_text(json.dumps(data))
+        yield folder
 
 
 def _check_vocab(cfg, tokenizer, source) -> None:
