@@ -14,6 +14,11 @@ from nd_parallel.models.quantized import quantized_params
 
 logger = logging.getLogger(__name__)
 
+# A module with this attribute set True computes in fp32 under a bf16 / fp16 policy: it gets an FSDP2 group of its
+# own whose parameters stay fp32 (its inputs cast up, its output back to the policy's dtype), e.g. Axolotl's
+# fp32_norms (cli/train/norms.py tags the norm modules).
+FP32_TAG = "_nd_parallel_fp32"
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -43,6 +48,12 @@ def apply_fsdp(
     if quantized:  # packed 4-bit / 8-bit frozen weights stay whole and replicated (models/quantized.py)
         kwargs["ignored_params"] = quantized
     layers = decoder_layers(model)
+    kept = [m for m in model.modules() if getattr(m, FP32_TAG, False)]
+    if kept and kwargs["mp_policy"].param_dtype not in (None, torch.float32):  # fp32 norms: their own fp32 groups
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                    output_dtype=kwargs["mp_policy"].param_dtype)
+        for module in kept:  # before their layer's group, which then leaves their parameters to them
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mp_policy=fp32))
     for module in experts:
         fully_shard(module, reshard_after_forward=reshard_after_forward, **dict(kwargs, mesh=expert_mesh))
     for group in sharing_groups(layers):  # layers that share a parameter (peft's layer_replication) share a group

@@ -24,6 +24,7 @@ from . import (
     grpo,
     lm_eval,
     load_options,
+    norms,
     pose,
     prequantized,
     restarts,
@@ -49,7 +50,8 @@ class AxolotlExtras(ObjectiveOptions, restarts.RestartOptions, MultimodalOptions
                     trainer_keys.TrainerKeyOptions, adapter_options.AdapterOptions,
                     embeddings.EmbeddingOptions, trigger_save.TriggerSaveOptions,
                     pose.PoseOptions, load_options.LoadOptions,
-                    trainer_class.TrainerClassOptions, attention_options.AttentionOptions):  # lisa, relora, ...
+                    trainer_class.TrainerClassOptions, attention_options.AttentionOptions,
+                    norms.NormOptions):  # lisa, relora, ...
     batch_size: int | None = None
     """Axolotl's per-rank batch, micro_batch_size x gradient_accumulation_steps: accepted where it agrees."""
     revision_of_model: str | None = None
@@ -117,7 +119,7 @@ def extra_refusals(d: dict) -> list[str]:
     out += trainer_keys.refusals(d)  # load_best_model_at_end, early_stopping_patience, cosine_constant_lr_ratio
     out += adapter_options.refusals(d) + embeddings.refusals(d)  # peft's pass-through options, shrink_embeddings
     out += trigger_save.refusals(d) + pose.refusals(d) + load_options.refusals(d)  # dynamic_checkpoint, ...
-    out += trainer_class.refusals(d) + attention_options.refusals(d)
+    out += trainer_class.refusals(d) + attention_options.refusals(d) + norms.refusals(d)
     for key in ("resize_token_embeddings_to_32x", "mean_resizing_embeddings", "peft_use_rslora", "lora_fan_in_fan_out",
                 "bfloat16", "float16", "dataset_exact_deduplication", "quantize_moe_experts", "save_only_model",
                 "lr_quadratic_warmup", "tokenizer_use_mistral_common", "group_by_length"):
@@ -262,8 +264,9 @@ def attention_for(base_model: str, impl: str, extra: dict[str, Any]) -> str:
 def extras_notes(d: dict) -> list[str]:
     """The lines printed for the keys above that are read other than as written (none when all are as written)."""
     notes = (experts_note(d.get("experts_implementation")), batch_note(d), half_precision_note(d), ray_note(d))
-    return [note for note in notes if note] + embeddings.notes(d) + attention_options.notes(d) + streaming_notes(d) + \
-        objective_notes(d) + lm_eval.note(d) + sparsity.notes(d) + diffusion.notes(d) + grpo.notes(d) + sampling.note(d)
+    more = (embeddings.notes, attention_options.notes, norms.notes, streaming_notes, objective_notes, lm_eval.note,
+            sparsity.notes, diffusion.notes, grpo.notes, sampling.note)
+    return [note for note in notes if note] + [line for read in more for line in read(d)]
 
 
 def mixed_precision(bf16, fp16: bool = False, float16: bool = False) -> str:

@@ -33,6 +33,7 @@ from . import (
     grpo_rank,
     lm_eval,
     load_options,
+    norms,
     objective,
     param_groups,
     prequantized,
@@ -74,6 +75,7 @@ def _model(t: TrainConfig, tokenizer):
                  else auto.from_pretrained(t.base_model, dtype=torch.float32, **extra))  # fp32 master
     split_after(model)
     attention_options.install(model, t)  # scaling_softmax: SSMax-scaled queries in the model's own attention
+    norms.tag(model, t)  # fp32_norms: the norm modules get fp32 FSDP2 groups of their own
     if quantized is not None and os.environ.get("RANK", "0") == "0":  # a dense model: none, as in Axolotl
         print(f"[nd_parallel] quantize_moe_experts: {len(quantized)} MoE expert tensors quantized to "
               f"{8 if t.load_in_8bit else 4}-bit as they loaded", flush=True)
