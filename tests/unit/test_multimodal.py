@@ -323,7 +323,11 @@ print(json.dumps([out, renders]))
 """
 _CASES = [("gemma3", {}), ("gemma3", {"train_on_eos": "all"}),
           ("gemma3", {"train_on_eos": "last", "roles_to_train": ["user", "assistant"]}),
-          ("gemma3", {"train_on_inputs": True}), ("llava", {}), ("mllama", {}), ("mllama", {"train_on_eos": "none"})]
+          ("gemma3", {"train_on_inputs": True}), ("llava", {}), ("mllama", {}), ("mllama", {"train_on_eos": "none"}),
+          # role_boundaries: markers replacing the template's, the start marker trained, an end-of-row turn
+          ("gemma3", {"role_boundaries_override": [
+              {"role": "assistant", "start": "<start_of_turn>model\n", "end": "<end_of_turn>", "include_start": True},
+              {"role": "user", "start": "<start_of_turn>user\n", "end": None}]})]
 _TEMPLATE = {"mllama": "llama3_2_vision"}
 
 

@@ -51,13 +51,29 @@ class MultimodalOptions:
     """Freeze the vision/audio encoder and projector (parameters under MM_MODULES), train the language model."""
     remove_unused_columns: bool | None = None
     """Accepted: the rows' columns always reach the collator here (Axolotl's examples set false for that)."""
+    role_boundaries: list | None = None
+    """[{role, start, end, include_start, include_end}]: the role markers the labels are masked by, replacing the
+    chat template's (end: eos_token, or null for the end of the row), Axolotl's meaning."""
+
+
+def _boundary_refusals(specs) -> list[str]:
+    keys = {"role", "start", "end", "include_start", "include_end"}
+    if specs is None or specs == []:
+        return []
+    good = isinstance(specs, list) and all(
+        isinstance(b, dict) and set(b) <= keys and isinstance(b.get("role"), str) and isinstance(b.get("start"), str)
+        and b["start"] and (b.get("end") is None or isinstance(b["end"], str))
+        and all(isinstance(b.get(k, False), bool) for k in ("include_start", "include_end")) for b in specs)
+    return [] if good else [f"role_boundaries={specs!r}: write a list of {{role, start, end, include_start, "
+                            "include_end}} (start a non-empty string; end a string, eos_token, or null)"]
 
 
 def multimodal_refusals(d: dict, layout) -> list[str]:
     """The multimodal keys' refusals, each with its fix (the config stage's one message)."""
-    processor, out = d.get("processor_type"), []
+    processor, out = d.get("processor_type"), _boundary_refusals(d.get("role_boundaries"))
     if not processor:
-        for key in ("image_size", "image_resize_algorithm", "freeze_mm_modules", "processor_kwargs"):
+        for key in ("image_size", "image_resize_algorithm", "freeze_mm_modules", "processor_kwargs",
+                    "role_boundaries"):
             if d.get(key):
                 out.append(f"{key}={d[key]!r} without processor_type: it shapes multimodal training only; set "
                            "processor_type: AutoProcessor (a vision-language checkpoint) or drop it")

@@ -18,7 +18,16 @@ import torch
 
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
-from .mm_templates import IMAGE_MARKS, IMAGES_FIRST, MEDIA_TOKENS, MISTRAL_COMMON, ROLE_MARKERS, flatten, keep_roles
+from .mm_templates import (
+    IMAGE_MARKS,
+    IMAGES_FIRST,
+    MEDIA_TOKENS,
+    MISTRAL_COMMON,
+    ROLE_MARKERS,
+    flatten,
+    keep_roles,
+    override,
+)
 from .templates import MM_JINJA
 
 SETTINGS_FILE = "nd_parallel_mm.json"
@@ -38,6 +47,8 @@ class MMSettings:
     roles_to_train: list[str] = field(default_factory=lambda: ["assistant"])
     train_on_eos: str = "turn"
     date_string: str | None = None
+    role_boundaries_override: list[dict] | None = None
+    """Axolotl's role_boundaries: markers that replace the template's (mm_templates.override)."""
     """Today's date as the parent read it, for the templates that write it (llama3_2_vision): every rank renders
     the same date, also across midnight."""
 
@@ -66,10 +77,12 @@ def mask_labels(input_ids: torch.Tensor, processor, settings: MMSettings) -> tor
     padding and the media tokens set to -100 (Axolotl's process_labels)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     keep = torch.ones_like(input_ids, dtype=torch.bool)
-    markers = ROLE_MARKERS.get(settings.name or "")
+    markers = override(settings.role_boundaries_override) if settings.role_boundaries_override else \
+        ROLE_MARKERS.get(settings.name or "")
     if markers and not settings.train_on_inputs:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        bounds = [(b, _ids(tokenizer, b.start), eos if b.end == "{eos}" else _ids(tokenizer, b.end)) for b in markers]
+        bounds = [(b, _ids(tokenizer, b.start), eos if b.end == "{eos}" else _ids(tokenizer, b.end) if b.end else [])
+                  for b in markers]
         keep = torch.tensor([keep_roles(row, bounds, settings) for row in input_ids.tolist()], dtype=torch.bool)
     dropped = {tokenizer.pad_token_id}
     for token in (getattr(processor, "image_token", None), *MEDIA_TOKENS.get(settings.name or "", ())):

@@ -166,7 +166,8 @@ def prepare_multimodal(cfg, workdir, split, dp: int = 1) -> tuple:
     settings = MMSettings(template=template, name=name, image_size=cfg.image_size,
                           resize=cfg.image_resize_algorithm or "bilinear", train_on_inputs=cfg.train_on_inputs,
                           roles_to_train=list(first.roles_to_train), train_on_eos=first.train_on_eos or "turn",
-                          date_string=_today() if name in MM_JINJA else None)
+                          date_string=_today() if name in MM_JINJA else None,
+                          role_boundaries_override=cfg.role_boundaries or None)
     parts, lines = [], []
     for spec in cfg.datasets:
         ds, line = multimodal_rows(spec, str(Path(workdir) / "raw-cache"))

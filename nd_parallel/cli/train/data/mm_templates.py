@@ -35,6 +35,8 @@ class Boundary:
     """"{eos}": the tokenizer's eos_token."""
     include_end: bool = True
     """False: the end marker is the next turn's start (Pixtral's [/INST]), never trained with this turn."""
+    include_start: bool = False
+    """True: a trained turn's start marker is trained too (Axolotl's role_boundaries option)."""
 
 
 def _turns(roles, start: str, end: str) -> list[Boundary]:
@@ -56,6 +58,14 @@ ROLE_MARKERS["gemma4_unified"] = ROLE_MARKERS["gemma4"]
 MEDIA_TOKENS = {"qwen3_5": ("<|video_pad|>",), "gemma3": ("<start_of_image>", "<image_soft_token>"),
                 "gemma3n": ("<image_soft_token>", "<audio_soft_token>", "<start_of_image>", "<end_of_image>"),
                 "gemma4": ("<|image|>", "<|audio|>", "<|video|>")}
+
+
+def override(specs: list[dict]) -> list[Boundary]:
+    """Axolotl's role_boundaries (replacing a template's markers wholesale): end "eos_token" is the tokenizer's EOS,
+    end null runs to the end of the sequence."""
+    return [Boundary(s["role"], s["start"], "{eos}" if s.get("end") == "eos_token" else s.get("end") or "",
+                     include_end=s.get("include_end", True), include_start=s.get("include_start", False))
+            for s in specs]
 
 
 def template_for(name: str | None, inline: str | None, tokenizer) -> tuple[str | None, str | None]:
@@ -113,7 +123,7 @@ def keep_roles(ids: list[int], bounds: list[tuple[Boundary, list[int], list[int]
                 break
         after = stop + len(end) if closed else n
         if b.role in roles:
-            keep[content:stop] = [True] * (stop - content)
+            keep[j if b.include_start else content:stop] = [True] * (stop - (j if b.include_start else content))
             if closed and b.include_end and eos in ("turn", "all"):
                 keep[stop:after] = [True] * (after - stop)
             if closed and b.include_end and eos == "last":
