@@ -14,8 +14,8 @@ BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, lear
 ROWS = {"pose": {}, "packed": {"sample_packing": True, "pose_num_chunks": 3}}
 OFF = {"use_pose": None, "pose_max_context_len": None, "pose_num_chunks": None}
 # FSDP2's global batch is 2 ranks x 2 rows (the reference takes 4 rows a step); CP's ranks split each row
-GROUPS = {"dp": ({"fsdp2": {"dp_shard_size": 2}}, {"micro_batch_size": 4}), "cp": ({"cp2": {"context_parallel_size": 2}},
-                                                                                   {})}
+GROUPS = {"dp": ({"fsdp2": {"dp_shard_size": 2}}, {"micro_batch_size": 4}),
+          "cp": ({"cp2": {"context_parallel_size": 2}}, {})}
 CASES = [(row, group, layout) for row in ROWS for group, (layouts, _) in GROUPS.items() for layout in layouts]
 
 

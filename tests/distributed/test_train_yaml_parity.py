@@ -1,8 +1,9 @@
 """`nd-parallel train`: the same Axolotl YAML under FSDP2, TP2, PP2 and CP2 vs one process.
 
 Variants: completion (full fine-tuning, val_set_size + eval every 2 steps; with test_datasets (alpaca records,
-eval_sequence_len) instead; with optimizer: muon; and with use_eaft on the same data), alpaca + LoRA (curriculum_sampling; and LoftQ-initialized), chat_template with sample
-packing (full), alpaca + chat_template mixed with sample packing + LoRA, and the real-world LoRA YAML's keys
+eval_sequence_len) instead; with optimizer: muon; and with use_eaft on the same data), alpaca + LoRA
+(curriculum_sampling; and LoftQ-initialized), chat_template with sample packing (full), alpaca + chat_template mixed
+with sample packing + LoRA, and the real-world LoRA YAML's keys
 (gradient_checkpointing, fsdp_config, evals_per_epoch, special_tokens with a new pad token, cosine + warmup).
 Gradient accumulation 2, linear LR, seed 0, 3 steps (no epoch ends: there accelerate's dp sharding repeats samples
 to even out the ranks). The 36 runs share one 2-rank launch, the references one process. For FSDP2 the reference's
@@ -83,7 +84,8 @@ def runs(tmp_path_factory):
     return root
 
 
-VARIANTS = ("completion", "completion_test", "completion_muon", "completion_eaft", "alpaca_lora", "alpaca_loftq", "chat_packed",
+VARIANTS = ("completion", "completion_test", "completion_muon", "completion_eaft", "alpaca_lora", "alpaca_loftq",
+            "chat_packed",
             "mixed_packed_lora", "real_world_lora")
 CASES = [(v, lay) for v in VARIANTS for lay in LAYOUTS]
 # eval_steps 2: step 2 and the last; evals_per_epoch: the last

@@ -17,8 +17,8 @@ def data(tmp_path_factory):
     return write_model_and_data(tmp_path_factory.mktemp("more_keys_data"), n=24)
 
 
-THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not enable_thinking "
-            "%}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and not "
+            "enable_thinking %}<think></think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
 
 
 def test_chat_template_kwargs_reach_the_template(tmp_path, data):

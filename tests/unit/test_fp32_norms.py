@@ -1,6 +1,7 @@
 """fp32_norms (cli/train/norms.py, distributed/fsdp.FP32_TAG): under a bf16 policy the tagged norm modules run with
-fp32 parameters on fp32 inputs and the projections after them get bf16 back, every other module computes in bf16; the class patterns read as
-Axolotl's (suffix, or dotted module.Class); a line in fp32 training. Training parity: test_train_fp32_norms.py."""
+fp32 parameters on fp32 inputs and the projections after them get bf16 back, every other module computes in bf16;
+the class patterns read as Axolotl's (suffix, or dotted module.Class); a line in fp32 training. Training parity:
+test_train_fp32_norms.py."""
 
 import json
 from types import SimpleNamespace

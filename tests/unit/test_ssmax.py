@@ -58,7 +58,8 @@ def test_it_applies_with_flex_attention_only(tmp_path):
                             environ={})
     assert cfg.scaling_softmax is True
     cfg = load_train_config(write_yaml(tmp_path / "b.yml", {**base, "attn_implementation": "sdpa"}), environ={})
-    assert cfg.scaling_softmax is False and any(n.startswith("scaling_softmax: Axolotl 0.19 applies") for n in cfg.notes)
+    assert cfg.scaling_softmax is False
+    assert any(n.startswith("scaling_softmax: Axolotl 0.19 applies") for n in cfg.notes)
     with pytest.raises(ConfigError, match="scaling_softmax with context_parallel_size=2: the ring attention"):
         load_train_config(write_yaml(tmp_path / "c.yml", {**base, "attn_implementation": "flex_attention",
                                                           "context_parallel_size": 2}), environ={})

@@ -148,10 +148,10 @@ UNREAD = {"eta_min": "not an Axolotl key: Axolotl drops it and its cosine decays
           **{k: "read by Axolotl with optimizer: dion only (refused here); no effect with this run's optimizer, "
                 "there either" for k in ("dion_lr", "dion_momentum", "dion_rank_fraction", "dion_rank_multiple_of")},
           **{k: "read by Axolotl with optimizer: q_galore_adamw8bit only (refused here); no effect with this run's "
-                "optimizer, there either" for k in ("qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_proj_bits",
-                                                    "qgalore_proj_group_size", "qgalore_proj_quant", "qgalore_proj_type",
-                                                    "qgalore_queue_size", "qgalore_rank", "qgalore_scale",
-                                                    "qgalore_update_proj_gap")},
+                "optimizer, there either" for k in (
+              "qgalore_cos_threshold", "qgalore_gamma_proj", "qgalore_proj_bits", "qgalore_proj_group_size",
+              "qgalore_proj_quant", "qgalore_proj_type", "qgalore_queue_size", "qgalore_rank", "qgalore_scale",
+              "qgalore_update_proj_gap")},
           "optim_target_modules": "read by GaLore / APOLLO / Q-GaLore optimizers only (refused here); no effect with "
                                   "this run's optimizer, there either",
           # placement, launching and merging: training is the same

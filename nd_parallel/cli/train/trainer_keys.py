@@ -21,7 +21,8 @@ class TrainerKeyOptions:
     (transformers' EarlyStoppingCallback and load_best_model_at_end, as Axolotl adds them)."""
     load_best_model_at_end: bool = False
     """At the end, reload the checkpoint with the lowest eval loss (metric_for_best_model) and save that model
-    (transformers' load_best_model_at_end); needs val_set_size (or test_datasets), save_steps and eval_steps dividing save_steps."""
+    (transformers' load_best_model_at_end); needs val_set_size (or test_datasets), save_steps and eval_steps
+    dividing save_steps."""
     cosine_constant_lr_ratio: float | None = None
     """lr_scheduler: cosine reaches learning_rate x cosine_min_lr_ratio at this share of the steps and stays there
     (Axolotl's get_cosine_schedule_with_warmup_decay_constant)."""
