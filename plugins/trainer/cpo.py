@@ -18,11 +18,8 @@ auxiliary loss under dp or cp.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
-from .dpo import global_mean_loss, is_trl_trainer, refuse_trl_options
-from .orpo import PP_REASON
+from .dpo import is_trl_trainer, refuse_trl_options
+from .orpo import PP_REASON, adopt_pair_loss
 
 
 def is_cpo_trainer(trainer) -> bool:
@@ -36,25 +33,5 @@ def check_cpo_args(trainer, config) -> None:
 def adopt_cpo(trainer, plugin) -> None:
     """Route this CPOTrainer's loss through the global-batch means (see the module docstring)."""
     check_cpo_args(trainer, plugin.config)
-    trainer.compute_loss = compute_loss.__get__(trainer)
-    trainer.concatenated_forward = concatenated_forward.__get__(trainer)
-
-
-def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-    """CPOTrainer.compute_loss as this rank's share of the global batch's loss (module docstring)."""
-    return global_mean_loss(self, model, inputs, return_outputs, inputs["chosen_input_ids"].shape[0])
-
-
-def concatenated_forward(self, model, batch):
-    """CPOTrainer.concatenated_forward, its chosen NLL (item 4) in the units of the global pair mean."""
-    out = type(self).concatenated_forward(self, model, batch)
-    config = self.nd_parallel.config
-    if config.dp_size == 1:
-        return out
-    labels = batch["chosen_labels"]  # CPOTrainer's NLL targets: the chosen labels, shifted by one
-    local = torch.stack([(labels[:, 1:] != -100).sum(),
-                         torch.tensor(labels.shape[0], device=labels.device)]).float()
-    total = local.clone()
-    dist.all_reduce(total, group=self.nd_parallel.mesh["dp"].get_group())
-    nll = out[4] * (local[0] / total[0]) * (total[1] / local[1])
-    return (*out[:4], nll, *out[5:])
+    # CPOTrainer's NLL targets: the chosen labels other than -100, shifted by one
+    adopt_pair_loss(trainer, lambda batch: (batch["chosen_labels"][:, 1:] != -100).sum())

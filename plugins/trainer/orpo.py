@@ -51,24 +51,31 @@ def check_orpo_args(trainer, config) -> None:
 def adopt_orpo(trainer, plugin) -> None:
     """Route this ORPOTrainer's loss through the global-batch means (see the module docstring)."""
     check_orpo_args(trainer, plugin.config)
+    # ORPOTrainer's NLL targets: the chosen input ids where attention_mask is 1, shifted by one
+    adopt_pair_loss(trainer, lambda batch: (batch["chosen_attention_mask"][:, 1:] == 1).sum())
+
+
+def adopt_pair_loss(trainer, nll_tokens) -> None:
+    """The loss of a trainer whose concatenated_forward returns its chosen NLL as item 4 (ORPO, CPO): the pair mean
+    and the NLL's token mean (``nll_tokens(batch)``: this rank's NLL targets) taken over the global batch."""
+    trainer._nd_parallel_nll_tokens = nll_tokens
     trainer.compute_loss = compute_loss.__get__(trainer)
     trainer.concatenated_forward = concatenated_forward.__get__(trainer)
 
 
 def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-    """ORPOTrainer.compute_loss as this rank's share of the global batch's loss (module docstring)."""
+    """The trainer class's compute_loss as this rank's share of the global batch's loss (module docstring)."""
     return global_mean_loss(self, model, inputs, return_outputs, inputs["chosen_input_ids"].shape[0])
 
 
 def concatenated_forward(self, model, batch):
-    """ORPOTrainer.concatenated_forward, its chosen NLL (item 4) in the units of the global pair mean."""
+    """The trainer class's concatenated_forward, its chosen NLL (item 4) in the units of the global pair mean."""
     out = type(self).concatenated_forward(self, model, batch)
     config = self.nd_parallel.config
     if config.dp_size == 1:
         return out
-    # ORPOTrainer's NLL targets: the chosen input ids where attention_mask is 1, shifted by one
-    mask = batch["chosen_attention_mask"]
-    local = torch.stack([(mask[:, 1:] == 1).sum(), torch.tensor(mask.shape[0], device=mask.device)]).float()
+    pairs = batch["chosen_input_ids"].shape[0]
+    local = torch.stack([self._nd_parallel_nll_tokens(batch), torch.tensor(pairs, device=out[4].device)]).float()
     total = local.clone()
     dist.all_reduce(total, group=self.nd_parallel.mesh["dp"].get_group())
     nll = out[4] * (local[0] / total[0]) * (total[1] / local[1])

@@ -6,7 +6,7 @@ loss rtol 1e-5, tensors atol 1e-5."""
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import chat_entry, compare_runs, run_rows, write_model_and_data
+from tests.distributed.train_yaml_helpers import chat_entry, compare_runs, run_groups, write_model_and_data
 
 BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, learning_rate=2e-3, lr_scheduler="linear",
             seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=160, val_set_size=0.0,
@@ -22,10 +22,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=48)
     row = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
            "datasets": [chat_entry(data["chat"])]}
-    for group, (layouts, ref) in GROUPS.items():
-        (root / group).mkdir()
-        run_rows(root / group, {"flat": row}, layouts, ref, {"flat": {"batch_flattening": None}})
-    return root
+    return run_groups(root, {"flat": row}, GROUPS, {"flat": {"batch_flattening": None}})
 
 
 @pytest.mark.parametrize("group,layout", CASES)

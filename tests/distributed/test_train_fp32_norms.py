@@ -5,7 +5,7 @@ fp32 norms change the run (the same bf16 YAML without them ends elsewhere by mor
 import pytest
 import torch
 
-from tests.distributed.train_yaml_helpers import logged, run_rows, write_model_and_data
+from tests.distributed.train_yaml_helpers import logged, run_groups, write_model_and_data
 
 BF16_U = 2.0 ** -8
 BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, learning_rate=2e-3, lr_scheduler="linear",
@@ -22,10 +22,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=48)
     row = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
            "datasets": [{"path": data["text"], "type": "completion"}]}
-    for group, (layouts, ref) in GROUPS.items():
-        (root / group).mkdir()
-        run_rows(root / group, {"norms": row}, layouts, ref, {"norms": {"fp32_norms": None}} if group == "dp" else None)
-    return root
+    return run_groups(root, {"norms": row}, GROUPS, {"norms": {"fp32_norms": None}})
 
 
 def _losses(path):

@@ -6,7 +6,7 @@ tensors atol 1e-5."""
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import compare_runs, run_rows, saved_tensors, write_model_and_data
+from tests.distributed.train_yaml_helpers import compare_runs, run_groups, saved_tensors, write_model_and_data
 
 BASE = dict(micro_batch_size=2, gradient_accumulation_steps=1, max_steps=3, learning_rate=2e-3, lr_scheduler="linear",
             seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=64, val_set_size=0.0, use_pose=True,
@@ -25,11 +25,7 @@ def runs(tmp_path_factory):
     data = write_model_and_data(root, n=48)
     common = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
               "datasets": [{"path": data["text"], "type": "completion"}]}
-    for group, (layouts, ref) in GROUPS.items():
-        (root / group).mkdir()
-        run_rows(root / group, {row: {**common, **keys} for row, keys in ROWS.items()}, layouts, ref,
-                 {row: OFF for row in ROWS})
-    return root
+    return run_groups(root, {row: {**common, **keys} for row, keys in ROWS.items()}, GROUPS, {row: OFF for row in ROWS})
 
 
 @pytest.mark.parametrize("row,group,layout", CASES)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.distributed.train_yaml_helpers import compare_runs, logged, run_rows, write_model_and_data
+from tests.distributed.train_yaml_helpers import compare_runs, logged, run_groups, write_model_and_data
 
 BASE = dict(rl="simpo", micro_batch_size=2, gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3,
             lr_scheduler="linear", seed=0, optimizer="adamw_torch", adam_epsilon=1e-6, sequence_len=64,
@@ -32,10 +32,7 @@ def runs(tmp_path_factory):
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     common = {**BASE, "base_model": data["model"], "dataset_prepared_path": str(root / "prepared"),
               "datasets": [{"path": str(root / "pairs.jsonl"), "type": "chatml.prompt_pairs"}]}
-    for group, (layouts, ref) in GROUPS.items():
-        (root / group).mkdir()
-        run_rows(root / group, {row: {**common, **keys} for row, keys in ROWS.items()}, layouts, ref)
-    return root
+    return run_groups(root, {row: {**common, **keys} for row, keys in ROWS.items()}, GROUPS)
 
 
 @pytest.mark.parametrize("row,group,layout", CASES)

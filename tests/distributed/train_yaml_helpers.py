@@ -89,6 +89,16 @@ def run_rows(root: Path, rows: dict, layouts: dict, ref: dict, off: dict | None 
     return root
 
 
+def run_groups(root: Path, rows: dict, groups: dict, off: dict | None = None) -> Path:
+    """``run_rows`` once per group of layouts that share a one-process reference: ``groups`` maps a name to
+    (layouts, the reference's changes), e.g. dp layouts whose reference takes the global batch, and tp / cp / pp ones
+    whose reference is the row itself; a group's runs are under ``root / <name>``."""
+    for name, (layouts, ref) in groups.items():
+        (root / name).mkdir()
+        run_rows(root / name, rows, layouts, ref, off)
+    return root
+
+
 def jobs_for(paths: list[Path], workdir: Path, nproc: int) -> list:
     """The ranks' jobs, built exactly as `nd-parallel train` builds them (job.build_job)."""
     from nd_parallel.cli.ranks import resolve_train_layout
