@@ -332,7 +332,7 @@ def test_rl_dpo_maps_and_what_it_cannot_do_is_refused(tmp_path):
         "dpo", 0.05, "chosen", "rejected")
     assert load_train_config(_write(tmp_path, "rl: ipo\ncontext_parallel_size: 2\n"), environ={}).rl == "ipo"
     for extra, needle in [
-            ("rl: simpo\n", "rl='simpo': nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto"),
+            ("rl: ppo\n", "rl='ppo': nd-parallel train runs rl: dpo, ipo (TRL's DPOTrainer), kto"),
             ("rl: kto\n", "datasets[0].type='chat_template' with rl: kto: KTO examples are read as Axolotl's"),
             ("rl: dpo\nkto_desirable_weight: 2\n", "kto_desirable_weight with rl: dpo: it weighs KTO's examples"),
             ("rl: dpo\nrl_beta: -1\n", "rl_beta=-1; write a number > 0"),

@@ -163,11 +163,11 @@ def test_bad_pretokenized_records_are_named(tmp_path, data, row, match):
 
 
 def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, data):
-    """Keys Axolotl's examples use that came after 0.19 and RL trainers other than DPO: one message, each with its
-    reason (not the generic unknown-key list). Axolotl's fused kernels of the same math (use_glm_dsa_kernels,
+    """Keys Axolotl's examples use that came after 0.19 and an rl value Axolotl does not have: one message, each with
+    its reason (not the generic unknown-key list). Axolotl's fused kernels of the same math (use_glm_dsa_kernels,
     use_dsv4_kernels) are accepted with one line each, as its other kernel switches."""
     keys = dict(nvfp4_merge_aware=True, dsv4_fp4_grouped_mode="nvfp4", use_glm_dsa_kernels=True,
-                llmcompressor={"recipe": {}}, rl="simpo", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
+                llmcompressor={"recipe": {}}, rl="ppo", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
     with pytest.raises(ConfigError) as err:
         _config(tmp_path, data, [{"path": data["alpaca"], "type": "alpaca"}], **keys)
     message = str(err.value)
@@ -175,7 +175,7 @@ def test_keys_of_newer_axolotl_examples_are_refused_with_their_reason(tmp_path, 
     for needle in ("pre-quantized NVFP4 checkpoints are not loaded", "FP4 grouped expert kernels",
                    "llmcompressor.recipe has no modifier",
                    "list axolotl.integrations.llm_compressor.LLMCompressorPlugin under plugins:",
-                   "rl='simpo': nd-parallel train runs rl: dpo, ipo",
+                   "rl='ppo': nd-parallel train runs rl: dpo, ipo",
                    "fp8=True: FP8 training runs its matmuls on CUDA FP8 tensor cores", "train in bf16",
                    "fp8_enable_fsdp_float8_all_gather=True: belongs to fp8"):
         assert needle in message, (needle, message)

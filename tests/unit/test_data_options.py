@@ -93,7 +93,7 @@ def test_pad_to_multiple_of_config(tmp_path):
     dpo = {"datasets": [{"path": "d.jsonl", "type": "chatml.intel"}], "rl": "dpo"}
     (tmp_path / "c.yml").write_text(json.dumps({**base, "pad_to_multiple_of": 8, **dpo}))
     cfg = load_train_config(tmp_path / "c.yml", environ={})
-    assert any(n.startswith("pad_to_multiple_of: these batches are padded by TRL") for n in cfg.notes), cfg.notes
+    assert any(n.startswith("pad_to_multiple_of: these batches are laid out by TRL") for n in cfg.notes), cfg.notes
 
 
 def test_test_datasets_are_the_evaluation_data(tmp_path):

@@ -216,7 +216,7 @@ def rl_refusals(d: dict, layout, path) -> list[str]:
 def check_precompute(t, model) -> None:
     """precompute_ref_log_probs: TRL's precomputed reference (eval mode, before training) equals the reference
     forward each step only where no dropout acts in training (a LoRA adapter's dropout is off in the reference)."""
-    if not t.precompute_ref_log_probs:
+    if not t.precompute_ref_log_probs or model is None:
         return
     import torch.nn as nn
 
@@ -252,9 +252,9 @@ def preference_trainer(t, trainer_args: dict, **kwargs):
         return CPOTrainer(args=CPOConfig(**common, loss_type="simpo", simpo_gamma=float(t.simpo_gamma), **alpha),
                           **kwargs)
     if t.rl == "kto":
-        check_precompute(t, kwargs["model"])
+        check_precompute(t, kwargs.get("model"))
         args = trl.KTOConfig(**common, desirable_weight=float(t.kto_desirable_weight or 1.0),
                              undesirable_weight=float(t.kto_undesirable_weight or 1.0))
         return trl.KTOTrainer(args=args, **kwargs)
-    check_precompute(t, kwargs["model"])
+    check_precompute(t, kwargs.get("model"))
     return trl.DPOTrainer(args=trl.DPOConfig(**common, **dpo_args(t)), **kwargs)
