@@ -393,3 +393,58 @@ def test_dynamic_checkpoint_callback_saves_when_the_file_appears(tmp_path, data)
         assert control.should_save is saves
     assert not (tmp_path / "now.save").exists()
     assert watchdog(_config(tmp_path, data, dynamic_checkpoint={"enabled": False})) == []
+
+
+_AXOLOTL_REX = """
+import json, sys, torch
+from axolotl.utils.schedulers import RexLR
+out = {}
+for case in json.loads(sys.argv[1]):
+    warmup, total, floor = case
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = RexLR(opt, max_lr=0.1, min_lr=0.1 * floor, total_steps=total, num_warmup_steps=warmup)
+    lrs = []
+    for _ in range(total):
+        lrs.append(sched.get_last_lr()[0]); opt.step(); sched.step()
+    out[str(case)] = lrs
+print(json.dumps(out))
+"""
+REX = [[0, 10, 0.0], [3, 12, 0.1], [2, 5, 0.5]]
+
+
+def test_rex_equals_axolotls_scheduler():
+    """lr_scheduler: rex: Axolotl 0.19's RexLR, run in its venv: the same learning rates, bit for bit."""
+    import json
+
+    from nd_parallel.cli.train.schedules import Rex
+
+    theirs = run_in_axolotl("-c", _AXOLOTL_REX, json.dumps(REX), timeout=600)
+    for warmup, total, floor in REX:
+        assert _lrs(Rex(_optimizer(), 0.1, 0.1 * floor, total, warmup), total) == theirs[str([warmup, total, floor])]
+
+
+@pytest.mark.parametrize("kind,keys", [("rex", {"cosine_min_lr_ratio": 0.1}), ("one_cycle", {}),
+                                       ("cosine_with_restarts", {"lr_scheduler_kwargs": {"num_cycles": 2}})])
+def test_the_trainer_builds_the_named_schedule(tmp_path, data, kind, keys):
+    """rex / one_cycle: "cosine" in TrainingArguments and Axolotl's scheduler from create_scheduler (OneCycleLR with
+    pct_start the warm-up's share, cosine annealing); transformers' own schedules reach TrainingArguments."""
+    from torch.optim.lr_scheduler import OneCycleLR
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from nd_parallel.cli.train.schedules import Rex, use_alternate
+
+    cfg = _config(tmp_path, data, lr_scheduler=kind, warmup_steps=2, max_steps=10, learning_rate=0.1, **keys)
+    args = trainer_arguments(cfg, "k", train_rows=20, eval_rows=0, dp=1)
+    assert args["lr_scheduler_type"] == ("cosine" if kind in ("rex", "one_cycle") else kind)
+    trainer = Trainer(model=AutoModelForCausalLM.from_pretrained(data["model"], dtype=torch.float32),
+                      args=TrainingArguments(**args))
+    if kind in ("rex", "one_cycle"):
+        use_alternate(trainer, cfg)
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    scheduler = trainer.lr_scheduler
+    if kind == "rex":
+        assert isinstance(scheduler, Rex) and scheduler.min_lr == pytest.approx(0.01)
+    elif kind == "one_cycle":
+        assert isinstance(scheduler, OneCycleLR) and scheduler.total_steps == 10
+    assert "lr_scheduler='cosine_with_min_lr' without lr_scheduler_kwargs" in _refusal(
+        tmp_path, data, lr_scheduler="cosine_with_min_lr")

@@ -141,9 +141,10 @@ def extra_refusals(d: dict) -> list[str]:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
             out.append(f"cosine_min_lr_ratio={ratio!r}: write a number between 0 and 1 (the floor as a share of "
                        "learning_rate)")
-        elif d.get("lr_scheduler", "cosine") != "cosine":
+        elif d.get("lr_scheduler", "cosine") not in ("cosine", "rex"):
             out.append(f"cosine_min_lr_ratio with lr_scheduler={d['lr_scheduler']!r}: the floor applies to the "
-                       "cosine schedule only (Axolotl ignores it otherwise); set lr_scheduler: cosine or drop it")
+                       "cosine and rex schedules only (Axolotl ignores it otherwise); set lr_scheduler: cosine or "
+                       "drop it")
     out += _schedule_and_saves(d)
     targets = d.get("lora_target_parameters")
     if targets is not None:

@@ -154,7 +154,9 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_train_epochs=cfg.num_epochs,
         max_steps=cfg.max_steps or -1, learning_rate=cfg.learning_rate,
         optim="adamw_torch" if cfg.optimizer == "muon" else cfg.optimizer,  # muon: schedules.use_muon builds it
-        lr_scheduler_type=cfg.lr_scheduler, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        # Axolotl's rex / one_cycle: "cosine" in TrainingArguments, built in create_scheduler (schedules.use_alternate)
+        lr_scheduler_type="cosine" if cfg.lr_scheduler in ("rex", "one_cycle") else cfg.lr_scheduler,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         # transformers 5 reads a warmup_steps below 1 as a share of the steps (what warmup_ratio was)
         warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else (cfg.warmup_steps or 0),
         bf16=precision == "bf16", fp16=precision == "fp16",

@@ -25,7 +25,12 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw
 TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 # muon: Muon + AdamW on sharded parameters (nd_parallel/distributed/muon.py), built by schedules.use_muon.
 BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit")
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt")
+# transformers' schedules the Trainer builds (cosine_with_min_lr / warmup_stable_decay take lr_scheduler_kwargs), and
+# Axolotl's own rex / one_cycle (schedules.use_alternate)
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt",
+              "cosine_with_restarts", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay", "rex",
+              "one_cycle")
+ALTERNATE_SCHEDULERS = ("rex", "one_cycle")
 SAVE_STRATEGIES = ("no", "steps", "epoch")
 
 LOGGING_PREFIXES = ("wandb_", "mlflow_", "comet_", "hub_", "otel_", "swanlab_", "trackio_", "gradio_")

@@ -117,12 +117,14 @@ def _model(t: TrainConfig, tokenizer):
 def _adjust(trainer, t: TrainConfig, dp: int) -> None:
     """What Axolotl changes in the Trainer that TrainingArguments cannot say: its optimizer, schedules, data order."""
     from .sampling import use_length_groups
-    from .schedules import use_constant_tail, use_jagged_restarts, use_muon, use_quadratic_warmup
+    from .schedules import use_alternate, use_constant_tail, use_jagged_restarts, use_muon, use_quadratic_warmup
 
     if t.optimizer == "muon":  # Axolotl's Muon + AdamW (distributed/muon.py), through the Trainer's create_optimizer
         use_muon(trainer, t)
     if param_groups.used(t):  # LoRA+, embedding_lr(_scale), lr_groups (param_groups.py)
         param_groups.use_param_groups(trainer, t)
+    if t.lr_scheduler in ("rex", "one_cycle"):  # Axolotl's own schedules (schedules.py)
+        use_alternate(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         use_quadratic_warmup(trainer)
     if t.cosine_constant_lr_ratio:  # Axolotl's cosine to the floor, then constant (schedules.py); 0 is unset there

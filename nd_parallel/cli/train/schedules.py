@@ -72,6 +72,49 @@ def _use_schedule(trainer, build) -> None:
     trainer.create_scheduler = types.MethodType(create_scheduler, trainer)
 
 
+class Rex(LRScheduler):
+    """Axolotl's ``lr_scheduler: rex`` (its RexLR, the reflected-exponential schedule of arXiv 2107.04197): a linear
+    warm-up, then the factor ``m + (1 - m) * z / (0.1 + 0.9 z)`` with ``z`` the share of the post-warm-up steps left
+    and ``m = min_lr / max_lr``; ``min_lr`` from the last step on. Its first step is LRScheduler's own, as in
+    Axolotl (so a warm-up starts at 1 / warmup, not 0)."""
+
+    def __init__(self, optimizer, max_lr: float, min_lr: float, total_steps: int, num_warmup_steps: int = 0):
+        if min_lr > max_lr or num_warmup_steps > total_steps:
+            raise ValueError(f"rex: min_lr={min_lr} above max_lr={max_lr}, or {num_warmup_steps} warm-up steps of "
+                             f"{total_steps}")
+        self.min_lr, self.max_lr, self.total_steps, self.num_warmup_steps = min_lr, max_lr, total_steps, \
+            num_warmup_steps
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        super().__init__(optimizer, last_epoch=0)
+
+    def get_lr(self):
+        step = self.last_epoch
+        if 1 <= step <= self.num_warmup_steps:
+            return [lr * step / self.num_warmup_steps for lr in self.base_lrs]
+        after, left = step - self.num_warmup_steps, self.total_steps - self.num_warmup_steps
+        if after >= left or after == -1 or left <= 0:
+            return [self.min_lr for _ in self.base_lrs]
+        z = (left - after % left) / left
+        floor = self.min_lr / self.max_lr
+        return [lr * (floor + (1.0 - floor) * (z / (0.1 + 0.9 * z))) for lr in self.base_lrs]
+
+
+def use_alternate(trainer, t) -> None:
+    """Axolotl's ``lr_scheduler: rex`` / ``one_cycle`` (its alternate_lr_scheduler_type, built in create_scheduler):
+    rex to learning_rate x cosine_min_lr_ratio (0 without it); one_cycle is torch's OneCycleLR with max_lr the
+    learning rate, pct_start the warm-up's share and cosine annealing unless lr_scheduler_kwargs say otherwise."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    lr, kwargs = trainer.args.learning_rate, dict(t.lr_scheduler_kwargs or {})
+    if t.lr_scheduler == "rex":
+        floor = lr * t.cosine_min_lr_ratio if t.cosine_min_lr_ratio is not None else 0
+        _use_schedule(trainer, lambda opt, warmup, total: Rex(opt, lr, floor, total, warmup))
+    else:
+        _use_schedule(trainer, lambda opt, warmup, total: OneCycleLR(opt, max_lr=lr, total_steps=total, **{
+            "pct_start": warmup / total, "anneal_strategy": "cos", **kwargs}))
+
+
 def use_quadratic_warmup(trainer) -> None:
     """This Trainer instance builds Axolotl's cosine schedule with quadratic warm-up."""
     if trainer.args.lr_scheduler_type != "cosine":  # the config stage refuses it with another schedule

@@ -33,7 +33,19 @@ def loads_best(t) -> bool:
 
 
 def refusals(d: dict) -> list[str]:
-    return _best_model(d) + _constant_tail(d)
+    return _best_model(d) + _constant_tail(d) + _schedule_kwargs(d)
+
+
+def _schedule_kwargs(d: dict) -> list[str]:
+    """transformers' schedules that stop the ranks without their arguments (lr_scheduler_kwargs)."""
+    kind, kwargs = d.get("lr_scheduler"), d.get("lr_scheduler_kwargs") or {}
+    if kind in ("cosine_with_min_lr", "cosine_warmup_with_min_lr") and not ({"min_lr", "min_lr_rate"} & set(kwargs)):
+        return [f"lr_scheduler={kind!r} without lr_scheduler_kwargs min_lr or min_lr_rate (transformers needs one); "
+                "add it, or write lr_scheduler: cosine with cosine_min_lr_ratio"]
+    if kind == "warmup_stable_decay" and "num_decay_steps" not in kwargs:
+        return ["lr_scheduler='warmup_stable_decay' without lr_scheduler_kwargs num_decay_steps (transformers needs "
+                "it); add it"]
+    return []
 
 
 def _best_model(d: dict) -> list[str]:
