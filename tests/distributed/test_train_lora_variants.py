@@ -8,7 +8,8 @@ Rows: DoRA on every linear layer; LoRA+ at ratio 16 with LoRA on the embedding t
 only with rank 8 / alpha 32 on q_proj and a one-cycle cosine (num_cycles 1.0); NEFTune (alpha 5, by its older
 name noisy_embedding_alpha; rows padded to sequence_len, so every micro-batch has the same noise scale; each row's
 noise keyed by its tokens) on full fine-tuning; full fine-tuning
-with the embeddings at half the rate and the attention projections in a group of their own (weight decay 0.1).
+with the embeddings at half the rate and the attention projections in a group of their own (weight decay 0.1);
+full fine-tuning with optimizer: sgd, rmsprop and lion_32bit (bitsandbytes' Lion, stepping each rank's shards).
 Tolerance: only fp32 reduction order differs: loss rtol 1e-5, saved tensors atol 1e-5 (AdamW, epsilon 1e-6).
 """
 
@@ -31,6 +32,11 @@ ROWS = {  # name: (the row's keys, the keys that turn its feature off)
         "lr_scheduler_kwargs": {"num_cycles": 1.0}}, {"lora_rank_pattern": None, "lora_alpha_pattern": None,
                                                       "peft_layers_to_transform": None, "peft_layers_pattern": None}),
     "neftune": ({"noisy_embedding_alpha": 5, "pad_to_sequence_len": True}, {"noisy_embedding_alpha": None}),
+    # optimizers the Trainer builds from its own list (element-wise: each shard's step is one process's). RMSprop's
+    # first step is lr x g / sqrt(0.01 g^2) = 10 lr for every element, however small its gradient, so fp32 reduction
+    # order is amplified as by Adam with a tiny epsilon: its rate is 1e-4
+    **{name: ({"optimizer": name, "learning_rate": lr}, {"optimizer": None, "learning_rate": None})
+       for name, lr in (("sgd", 1e-2), ("rmsprop", 1e-4), ("lion_32bit", 1e-3))},
     "groups": ({"embedding_lr_scale": 0.5, "lr_groups": [{"name": "attention", "modules": ["self_attn"],
                                                            "lr": 5e-4}]}, {"embedding_lr_scale": None,
                                                                            "lr_groups": None}),

@@ -352,7 +352,8 @@ def scheduler_args(t: Any) -> dict[str, Any]:
 
 _OPTIMIZER_PACKAGES = {"adamw_torch_8bit": "torchao", "adamw_torch_4bit": "torchao", "adamw_bnb_8bit": "bitsandbytes",
                        "paged_adamw_8bit": "bitsandbytes", "adamw_8bit": "bitsandbytes",
-                       "paged_adamw_32bit": "bitsandbytes"}
+                       "paged_adamw_32bit": "bitsandbytes", "lion_32bit": "bitsandbytes",
+                       "paged_lion_32bit": "bitsandbytes"}
 
 
 def check_installed(optimizer: str, path) -> None:

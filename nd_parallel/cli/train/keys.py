@@ -17,14 +17,17 @@ from .equivalents import offload_setting
 from .multimodal import is_multimodal_class
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit",
-              "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "muon")
+              "paged_adamw_32bit", "adamw_torch_8bit", "adamw_torch_4bit", "muon", "sgd", "adagrad", "rmsprop",
+              "lion_32bit", "paged_lion_32bit")
+# sgd / adagrad / rmsprop: torch's, built by the Trainer; element-wise, so a shard's step is one process's.
 # bitsandbytes' (built by the Trainer): on DTensor parameters each rank steps its local shards
 # (nd_parallel/distributed/optimizer_8bit.py); "paged" falls back to unpaged on CPU. paged_adamw_32bit is
 # bitsandbytes' AdamW with fp32 state (element-wise: a shard's step is bit-equal to one process's).
 # torchao's low-bit AdamW (built by the Trainer, as in Axolotl): its states are DTensor-aware tensor subclasses.
 TORCHAO_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 # muon: Muon + AdamW on sharded parameters (nd_parallel/distributed/muon.py), built by schedules.use_muon.
-BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit")
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit", "lion_32bit",
+                  "paged_lion_32bit")
 # transformers' schedules the Trainer builds (cosine_with_min_lr / warmup_stable_decay take lr_scheduler_kwargs), and
 # Axolotl's own rex / one_cycle (schedules.use_alternate)
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "polynomial", "inverse_sqrt",
