@@ -75,7 +75,11 @@ def test_pad_to_multiple_of_pads_as_axolotls_collator_and_changes_no_loss(tmp_pa
     t.pad_to_multiple_of = None
     assert padding(t) == (100, None)
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5], "labels": [-100, 4, 5]}]
-    plain, padded = Collator(0)(rows), Collator(0, multiple=16)(rows)
+    from nd_parallel.cli.train.data_options import collator  # what the ranks build
+
+    plain = Collator(0)(rows)
+    padded = collator(SimpleNamespace(pad_to_multiple_of=16, sequence_len=100, pad_to_sequence_len=False,
+                                      sample_packing=False, batch_flattening=None), 0)(rows)
     assert plain["input_ids"].shape == (2, 5) and padded["input_ids"].shape == (2, 16)
     assert padded["attention_mask"][1].tolist() == [1] * 3 + [0] * 13 and (padded["labels"][:, 5:] == -100).all()
     from transformers import AutoModelForCausalLM
@@ -136,6 +140,11 @@ def test_batch_flattening_lays_a_batch_out_as_one_row(tmp_path):
     assert flat["labels"].tolist() == [[-100, 6, 7, -100, 9]] and "attention_mask" not in flat
     assert flattens(SimpleNamespace(batch_flattening="auto", sample_packing=False))
     assert not flattens(SimpleNamespace(batch_flattening="auto", sample_packing=True))
+    from nd_parallel.cli.train.data_options import collator  # what the ranks build
+
+    keys = dict(pad_to_multiple_of=None, sequence_len=64, pad_to_sequence_len=False, sample_packing=False)
+    assert collator(SimpleNamespace(batch_flattening=True, **keys), 0)(rows)["input_ids"].shape == (1, 5)
+    assert collator(SimpleNamespace(batch_flattening=None, **keys), 0)(rows)["input_ids"].shape == (2, 3)
     base = {"base_model": "./m", "datasets": [{"path": "d.jsonl", "type": "completion"}], "batch_flattening": True}
     for keys, match in (({"sample_packing": True}, "batch_flattening with sample_packing"),
                         ({"pipeline_parallel_size": 2}, "the pipeline splits a micro-batch into rows"),

@@ -17,7 +17,8 @@
 - ``chat_template_kwargs``: extra variables for the chat template of ``type: chat_template`` datasets (e.g.
   ``enable_thinking: false``), passed to ``apply_chat_template`` as Axolotl's ChatTemplatePrompter passes them.
 
-Supervised data; with ``rl`` (TRL's trainers read the pairs / prompts) and with streamed data they are refused.
+``excess_length_strategy`` and ``dataset_shard_*`` apply to supervised data: with ``rl`` (TRL's trainers read the
+pairs / prompts) and with streamed data they are refused; ``test_datasets`` with GRPO, streams or a processor too.
 """
 
 from __future__ import annotations
@@ -194,3 +195,11 @@ def padding(t) -> tuple[int | None, int | None]:
     if pad_to and multiple:
         pad_to = multiple * math.ceil(pad_to / multiple)
     return pad_to, multiple
+
+
+def collator(t, pad_id: int):
+    """The supervised batches' collator for TrainConfig `t`: its padding (``padding``) or batch_flattening."""
+    from .data.collate import Collator
+
+    pad_to, multiple = padding(t)
+    return Collator(pad_id, pad_to, multiple, flatten=flattens(t))

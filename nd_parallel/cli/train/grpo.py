@@ -108,6 +108,12 @@ def _builtin() -> dict:
     return TRANSFORMS
 
 
+def user_dirs(path) -> list[str]:
+    """Where a YAML's user modules are imported from: the working directory (as Axolotl imports them), then the
+    YAML's folder."""
+    return list(dict.fromkeys([os.getcwd(), str(Path(path).resolve().parent)]))
+
+
 def load_function(name: str, dirs: list[str]):
     """The function ``module.function`` (``package.module.function``) from ``dirs`` or installed packages, else one
     of Axolotl's built-in transforms of that name; raises ImportError / AttributeError with the reason."""
@@ -194,7 +200,7 @@ def refusals(d: dict, layout, path) -> list[str]:
     if not isinstance(block, dict):
         return [f"trl={block!r} with rl: {rl}: write the trl: block with reward_funcs (module.function names) "
                 "and the generation settings (num_generations, max_completion_length, ...)"]
-    dirs = list(dict.fromkeys([os.getcwd(), str(Path(path).resolve().parent)]))
+    dirs = user_dirs(path)
     d["import_dirs"] = dirs
     out = _block_refusals(block, rl)
     if rl == "ebft":  # the reward is feature matching (ebft.py); Axolotl ignores reward_funcs there

@@ -23,6 +23,7 @@ from . import adapter_options, grpo, objective, param_groups, restarts, sparsity
 from .config import TrainConfig
 from .data.sources import DatasetSpec
 from .extras import check_installed, check_layout, mixed_precision, scheduler_args
+from .keys import ALTERNATE_SCHEDULERS
 from .objective import check_dora_layout, check_llama4_experts
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def trainer_arguments(cfg: TrainConfig, name: str, train_rows: int, eval_rows: i
         max_steps=cfg.max_steps or -1, learning_rate=cfg.learning_rate,
         optim="adamw_torch" if cfg.optimizer == "muon" else cfg.optimizer,  # muon: schedules.use_muon builds it
         # Axolotl's rex / one_cycle: "cosine" in TrainingArguments, built in create_scheduler (schedules.use_alternate)
-        lr_scheduler_type="cosine" if cfg.lr_scheduler in ("rex", "one_cycle") else cfg.lr_scheduler,
+        lr_scheduler_type="cosine" if cfg.lr_scheduler in ALTERNATE_SCHEDULERS else cfg.lr_scheduler,
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
         # transformers 5 reads a warmup_steps below 1 as a share of the steps (what warmup_ratio was)
         warmup_steps=cfg.warmup_ratio if cfg.warmup_ratio is not None else (cfg.warmup_steps or 0),

@@ -44,6 +44,7 @@ from . import (
 from .config import TrainConfig
 from .extras import attention_for, lora_kwargs, model_kwargs
 from .job import DemoJob, Job, TrainJob, read_jobs
+from .keys import ALTERNATE_SCHEDULERS
 
 
 # ----------------------------------------------------------------------------------------------- train
@@ -123,7 +124,7 @@ def _adjust(trainer, t: TrainConfig, dp: int) -> None:
         use_muon(trainer, t)
     if param_groups.used(t):  # LoRA+, embedding_lr(_scale), lr_groups (param_groups.py)
         param_groups.use_param_groups(trainer, t)
-    if t.lr_scheduler in ("rex", "one_cycle"):  # Axolotl's own schedules (schedules.py)
+    if t.lr_scheduler in ALTERNATE_SCHEDULERS:  # Axolotl's own rex / one_cycle (schedules.py)
         use_alternate(trainer, t)
     if t.lr_quadratic_warmup:  # Axolotl's cosine with quadratic warm-up (schedules.py)
         use_quadratic_warmup(trainer)
@@ -250,7 +251,7 @@ def _run_train(job: TrainJob) -> dict:
     from nd_parallel.plugins.trainer import NDParallelCallback
 
     from .callbacks import LOG_FILE, ProgressAndLog, StopBeforeTheFirstStep, fake_quant_after, user_callbacks, watchdog
-    from .data import Collator, load_prepared
+    from .data import load_prepared
     from .preference import preference_trainer
     from .reward import reward_kind, reward_trainer
 
@@ -263,7 +264,6 @@ def _run_train(job: TrainJob) -> dict:
     fixed = embeddings.fix_untrained(model, t, tokenizer, train_ds)  # fix_untrained_tokens: whole rows, every rank
     if fixed and os.environ.get("RANK", "0") == "0":
         print(f"[nd_parallel] fix_untrained_tokens: rows of tokens {fixed} set from the trained rows' mean", flush=True)
-    pad_to, multiple = data_options.padding(t)  # pad_to_sequence_len / sample_packing, pad_to_multiple_of
     parts = dict(model=model, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
                  callbacks=[layout, *watchdog(t), *fake_quant_after(t), *user_callbacks(t.trainer_callbacks)])
     if t.rl:  # TRL's GRPOTrainer on prompts (grpo.py), or its DPO / KTO / ORPO trainers on preferences (preference.py)
@@ -271,7 +271,7 @@ def _run_train(job: TrainJob) -> dict:
     elif reward_kind(t):  # TRL's RewardTrainer / the Trainer on a token-classification head (reward.py)
         trainer = reward_trainer(t, job.trainer_args, **parts)
     else:
-        collator = Collator(tokenizer.pad_token_id, pad_to, multiple, flatten=data_options.flattens(t))
+        collator = data_options.collator(t, tokenizer.pad_token_id)  # padding, pad_to_multiple_of, batch_flattening
         if t.processor_type:  # images: each rank processes its own rows at collate time (data/mm_collate.py)
             from .data.mm_collate import MultimodalCollator
             from .data.mm_rows import load_prepared_processor

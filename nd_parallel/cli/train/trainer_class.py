@@ -9,9 +9,7 @@ Axolotl's builder and is refused with the alternative.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from nd_parallel.config import ConfigError
 
@@ -57,7 +55,9 @@ def check(cfg, path) -> None:
     folders (cfg.import_dirs)."""
     if not cfg.trainer_cls:
         return
-    dirs = cfg.import_dirs or list(dict.fromkeys([os.getcwd(), str(Path(path).resolve().parent)]))
+    from .grpo import user_dirs
+
+    dirs = cfg.import_dirs or user_dirs(path)
     try:
         load(cfg.trainer_cls, dirs)
     except Exception as err:  # the user's module: any import error, named

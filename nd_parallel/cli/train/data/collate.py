@@ -9,6 +9,8 @@ import torch
 
 from nd_parallel.distributed.loss import IGNORE_INDEX
 
+from .packing import append_sample
+
 
 @dataclass
 class Collator:
@@ -37,16 +39,14 @@ class Collator:
                 out["attention_mask"].append([1] * len(ids) + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
 
-
     @staticmethod
     def _flat(rows: list[dict]) -> dict[str, torch.Tensor]:
-        """transformers' DataCollatorWithFlattening's layout: the first label of each sample is -100 (it would be
-        predicted from the previous sample); positions restart at each sample, so its attention stays inside it."""
+        """transformers' DataCollatorWithFlattening's layout, which is a packed row's (packing.append_sample): the
+        first label of each sample is -100 (it would be predicted from the previous sample); positions restart at
+        each sample, so its attention stays inside it."""
         out = {"input_ids": [], "labels": [], "position_ids": []}
         for r in rows:
-            out["input_ids"] += list(r["input_ids"])
-            out["labels"] += [IGNORE_INDEX] + list(r["labels"][1:])
-            out["position_ids"] += list(r["position_ids"]) if "position_ids" in r else list(range(len(r["input_ids"])))
+            append_sample(out, r["input_ids"], r["labels"], r.get("position_ids"))
         return {k: torch.tensor([v], dtype=torch.long) for k, v in out.items()}
 
 

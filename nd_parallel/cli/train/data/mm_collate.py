@@ -47,10 +47,10 @@ class MMSettings:
     roles_to_train: list[str] = field(default_factory=lambda: ["assistant"])
     train_on_eos: str = "turn"
     date_string: str | None = None
-    role_boundaries_override: list[dict] | None = None
-    """Axolotl's role_boundaries: markers that replace the template's (mm_templates.override)."""
     """Today's date as the parent read it, for the templates that write it (llama3_2_vision): every rank renders
     the same date, also across midnight."""
+    role_boundaries_override: list[dict] | None = None
+    """Axolotl's role_boundaries: markers that replace the template's (mm_templates.override)."""
 
 
 def load_image(item: dict, settings: MMSettings):

@@ -25,12 +25,18 @@ def pack_fn(sequence_len: int):
                 for k in out:
                     out[k].append(row[k])
                 row = {k: [] for k in out}
-            row["input_ids"] += ids
-            row["labels"] += [IGNORE_INDEX] + list(labels[1:])
-            row["position_ids"] += list(positions) if positions is not None else list(range(len(ids)))
+            append_sample(row, ids, labels, positions)
         if row["input_ids"]:
             for k in out:
                 out[k].append(row[k])
         return out
 
     return pack
+
+
+def append_sample(row: dict, ids, labels, positions=None) -> None:
+    """Lay one sample at the end of `row` (input_ids / labels / position_ids lists): its first label ignored, its
+    positions its own (PoSE's) or 0, 1, ...: the layout of packed rows and of batch_flattening's row (collate.py)."""
+    row["input_ids"] += list(ids)
+    row["labels"] += [IGNORE_INDEX] + list(labels[1:])
+    row["position_ids"] += list(positions) if positions is not None else list(range(len(ids)))
